@@ -1,0 +1,42 @@
+# Set-up is part of each target: on a fresh machine `make serve` and `make test` do everything.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -q --disable-pip-version-check
+
+.PHONY: serve test lint tools train export evaluate bench
+
+serve: $(VENV)/.installed
+	$(BIN)/qkv serve
+
+test: $(VENV)/.dev tools
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+# Prometheus (promtool) and docker-compose from Debian, for the observability and deploy tests.
+tools:
+	@command -v promtool >/dev/null && command -v docker-compose >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose; \
+	  /etc/init.d/prometheus stop >/dev/null 2>&1 || true; }
+
+train: $(VENV)/.dev
+	nohup $(BIN)/qkv train --resume $(TRAIN_ARGS) > checkpoints/train.log 2>&1 &
+
+export: $(VENV)/.dev
+	$(BIN)/qkv export checkpoints/g2p/best.pt
+
+evaluate: $(VENV)/.dev
+	$(BIN)/qkv evaluate --model-repository models

@@ -1,0 +1,53 @@
+"""Checkpoints: the model, its vocabularies and the training state in one file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
+from service.vocab import Vocabulary
+
+__all__ = ["Loaded", "TorchStepModel", "load_checkpoint"]
+
+
+@dataclass
+class Loaded:
+    model: Transformer
+    graphemes: Vocabulary
+    phonemes: Vocabulary
+    state: dict[str, Any]  # the whole checkpoint
+
+
+def load_checkpoint(path: Path, max_len: int | None = None) -> Loaded:
+    """`max_len` extends the (computed, not learned) positional table, e.g. for longer exports."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    config = TransformerConfig(**state["config"])
+    if max_len:
+        config = TransformerConfig(**{**state["config"], "max_len": max_len})
+    model = make_model(config)
+    model.load_state_dict(state["model"])
+    model.eval()
+    return Loaded(model, Vocabulary(state["graphemes"]), Vocabulary(state["phonemes"]), state)
+
+
+class TorchStepModel:
+    """The `service.generation.StepModel` interface over a PyTorch model (no grad, float32)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.encoder = EncoderGraph(model).eval()
+        self.decoder = DecoderStep(model).eval()
+
+    @torch.inference_mode()
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _, ck, cv = self.encoder(torch.from_numpy(input_ids), torch.from_numpy(attention_mask))
+        return ck.numpy(), cv.numpy()
+
+    @torch.inference_mode()
+    def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+        return tuple(o.numpy() for o in outs)  # type: ignore[return-value]

@@ -1,0 +1,279 @@
+"""`qkv export`: a checkpoint -> ONNX graphs + model repository entries, with a parity check.
+
+Writes two entries (DESIGN.md, "Model repository"):
+    models/g2p/          encoder.onnx (+ cross-attention keys/values), decoder.onnx (one cached step),
+                         graphemes.json, phonemes.json under 1/, and config.json with the model card
+    models/g2p_encoder/  the same encoder as a plain tensor model: input_ids, attention_mask -> last_hidden_state
+The export refuses to write a repository whose graphs disagree with PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from export import data
+from export.checkpoint import Loaded, TorchStepModel, load_checkpoint
+from export.model import DecoderStep, EncoderGraph, Transformer
+from service.generation import greedy_decode, pad_ids
+from service.seq2seq import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    GRAPHEMES_FILE,
+    PHONEMES_FILE,
+    STEP_INPUTS,
+    STEP_OUTPUTS,
+    OnnxSeq2Seq,
+)
+
+__all__ = ["export_graphs", "main", "parity_check", "write_repository"]
+
+OPSET = 18
+LOGIT_TOLERANCE = 1e-4
+MAX_WORD_LENGTH = 32  # graphemes; CMUdict's longest word has 28
+MAX_OUTPUT_LENGTH = 40  # phonemes; CMUdict's longest pronunciation has 28
+MAX_SEQUENCE_LENGTH = 512  # positions the exported graphs cover (the tensor model takes long inputs)
+
+
+class _EncoderOnly(nn.Module):
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.graph = EncoderGraph(model)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.graph(input_ids, attention_mask)[0]
+
+
+def _export(
+    module: nn.Module,
+    args: tuple[Tensor, ...],
+    path: Path,
+    inputs: list[str],
+    outputs: list[str],
+    axes: dict[str, dict[int, str]],
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer notes on constant shapes (d_k), expected here
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=axes,
+            opset_version=OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+
+
+def export_graphs(model: Transformer, directory: Path) -> dict[str, Path]:
+    """Write encoder.onnx, decoder.onnx and the plain encoder model.onnx into `directory`."""
+    model.eval()
+    c = model.config
+    b, s, t = 2, 5, 3
+    ids = torch.randint(4, c.src_vocab, (b, s))
+    mask = torch.ones(b, s, dtype=torch.int64)
+    with torch.no_grad():
+        _, ck, cv = EncoderGraph(model)(ids, mask)
+    enc_axes = {"input_ids": {0: "batch", 1: "source"}, "attention_mask": {0: "batch", 1: "source"}}
+    kv_axes = {1: "batch", 3: "source"}
+    paths = {
+        "encoder": directory / ENCODER_FILE,
+        "decoder": directory / DECODER_FILE,
+        "plain": directory / "model.onnx",
+    }
+    _export(
+        EncoderGraph(model),
+        (ids, mask),
+        paths["encoder"],
+        ["input_ids", "attention_mask"],
+        ["memory", "cross_keys", "cross_values"],
+        {**enc_axes, "memory": {0: "batch", 1: "source"}, "cross_keys": kv_axes, "cross_values": kv_axes},
+    )
+    _export(
+        _EncoderOnly(model),
+        (ids, mask),
+        paths["plain"],
+        ["input_ids", "attention_mask"],
+        ["last_hidden_state"],
+        {**enc_axes, "last_hidden_state": {0: "batch", 1: "source"}},
+    )
+    layers, heads, d_k = c.n_decoder, c.h, c.d_k
+    step_args = (
+        torch.randint(4, c.tgt_vocab, (b,)),
+        torch.full((b,), t, dtype=torch.int64),
+        torch.randn(layers, b, heads, t, d_k),
+        torch.randn(layers, b, heads, t, d_k),
+        torch.ones(b, t + 1, dtype=torch.int64),
+        ck,
+        cv,
+        mask,
+    )
+    cache = {1: "batch", 3: "past"}
+    step_axes = {
+        "tokens": {0: "batch"},
+        "positions": {0: "batch"},
+        "past_keys": cache,
+        "past_values": cache,
+        "self_mask": {0: "batch", 1: "past_plus_one"},
+        "cross_keys": kv_axes,
+        "cross_values": kv_axes,
+        "memory_mask": {0: "batch", 1: "source"},
+        "log_probs": {0: "batch"},
+        "present_keys": {1: "batch", 3: "past_plus_one"},
+        "present_values": {1: "batch", 3: "past_plus_one"},
+        "cross_attention": {0: "batch", 1: "source"},
+    }
+    _export(DecoderStep(model), step_args, paths["decoder"], list(STEP_INPUTS), list(STEP_OUTPUTS), step_axes)
+    return paths
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max()) if a.size else 0.0
+
+
+def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str, Any]:
+    """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`."""
+    torch_model, onnx_model = TorchStepModel(loaded.model), OnnxSeq2Seq(directory)
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    sources = [loaded.graphemes.encode(w) for w in words[:64]]
+    random_sources = [list(rng.integers(4, len(loaded.graphemes), size=int(rng.integers(1, 20)))) for _ in range(16)]
+    for batch in (sources, random_sources):
+        ids, mask = pad_ids(batch)
+        states = [m.encode(ids, mask) for m in (torch_model, onnx_model)]
+        worst = max(worst, *(_max_diff(x, y) for x, y in zip(*states, strict=True)))
+        # Decode a few steps with teacher-forced random tokens, comparing every output.
+        ck, cv = states[0]
+        layers, n, heads, _, d_k = ck.shape
+        past = [np.zeros((layers, n, heads, 0, d_k), np.float32)] * 2
+        past_t = list(past)
+        for step in range(6):
+            tokens = rng.integers(4, len(loaded.phonemes), size=n).astype(np.int64)
+            args = (tokens, np.full(n, step, np.int64))
+            self_mask = np.ones((n, step + 1), np.int64)
+            out_t = torch_model.step(*args, *past_t, self_mask, ck, cv, mask)
+            out_o = onnx_model.step(*args, *past, self_mask, ck, cv, mask)
+            worst = max(worst, *(_max_diff(x, y) for x, y in zip(out_t, out_o, strict=True)))
+            past_t, past = list(out_t[1:3]), list(out_o[1:3])
+    hyp_t = greedy_decode(torch_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
+    hyp_o = greedy_decode(onnx_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
+    same = sum(a.output == b.output for a, b in zip(hyp_t, hyp_o, strict=True))
+    return {"max_abs_diff": worst, "greedy_identical": same, "greedy_words": len(words)}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_repository(
+    loaded: Loaded, repository: Path, parity_words: list[str], metrics: dict[str, Any] | None = None, version: str = "1"
+) -> dict[str, Any]:
+    """Export, check parity, then write models/g2p and models/g2p_encoder (replacing them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp)
+        paths = export_graphs(loaded.model, staging)
+        loaded.graphemes.save(staging / GRAPHEMES_FILE)
+        loaded.phonemes.save(staging / PHONEMES_FILE)
+        parity = parity_check(loaded, staging, parity_words)
+        if parity["max_abs_diff"] > LOGIT_TOLERANCE or parity["greedy_identical"] != parity["greedy_words"]:
+            raise RuntimeError(f"ONNX graphs disagree with PyTorch: {parity}")
+        g2p, enc = repository / "g2p", repository / "g2p_encoder"
+        for d in (g2p, enc):
+            shutil.rmtree(d, ignore_errors=True)
+            (d / version).mkdir(parents=True)
+        for name in (ENCODER_FILE, DECODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE):
+            shutil.copy(staging / name, g2p / version / name)
+        shutil.copy(paths["plain"], enc / version / "model.onnx")
+    state = loaded.state
+    card = {
+        "architecture": "Transformer encoder-decoder (Vaswani et al., 2017), pre-norm, tied target embeddings",
+        "task": "English grapheme-to-phoneme, CMU Pronouncing Dictionary (ARPAbet with stress digits)",
+        "config": state["config"],
+        "parameters": state["parameters"],
+        "training": {
+            "hours": round(state["elapsed_s"] / 3600, 3),
+            "epochs": state["epoch"],
+            "steps": state["step"],
+            "best_dev_wer": state["best_dev_wer"],
+            "recipe": state["train"],
+        },
+        "test": metrics or {},
+        "onnx_opset": OPSET,
+        "parity": parity,
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    g2p_config = {
+        "name": "g2p",
+        "kind": "g2p",
+        "max_batch_size": 64,
+        "limits": {
+            "max_word_length": MAX_WORD_LENGTH,
+            "max_output_length": MAX_OUTPUT_LENGTH,
+            "max_words": 64,
+            "max_element_bytes": 1024,
+        },
+        "model_card": {
+            **card,
+            "sha256": {f: _sha256(g2p / version / f) for f in sorted(p.name for p in (g2p / version).iterdir())},
+        },
+    }
+    enc_config = {
+        "name": "g2p_encoder",
+        "kind": "tensor",
+        "max_batch_size": 64,
+        "sequence_axis": 1,
+        "limits": {
+            "max_sequence_length": loaded.model.config.max_len,
+            "vocab_size": {"input_ids": len(loaded.graphemes)},
+        },
+        "model_card": {
+            "description": "the g2p model's encoder as a plain tensor model: grapheme ids -> states",
+            "vocabulary": "graphemes.json of models/g2p",
+            "config": state["config"],
+            "onnx_opset": OPSET,
+            "sha256": {"model.onnx": _sha256(enc / version / "model.onnx")},
+        },
+    }
+    (g2p / "config.json").write_text(json.dumps(g2p_config, indent=2) + "\n")
+    (enc / "config.json").write_text(json.dumps(enc_config, indent=2) + "\n")
+    return g2p_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="qkv export", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("checkpoints/g2p/best.pt"))
+    parser.add_argument("--model-repository", type=Path, default=Path("models"))
+    parser.add_argument("--parity-words", type=int, default=1000, help="test words decoded by both runtimes")
+    parser.add_argument("--no-evaluate", action="store_true", help="skip the test-split WER/PER of the export")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_checkpoint(args.checkpoint, max_len=MAX_SEQUENCE_LENGTH)
+    words = random.Random(0).sample(data.read_split("test"), args.parity_words)
+    config = write_repository(loaded, args.model_repository, words)
+    print(f"parity: {config['model_card']['parity']}")
+    if not args.no_evaluate:
+        from export.evaluate import evaluate_repository, record_in_card
+
+        result = evaluate_repository(args.model_repository / "g2p")
+        record_in_card(args.model_repository, result)
+        print(json.dumps(result, indent=2))
+    print(f"wrote {args.model_repository / 'g2p'} and {args.model_repository / 'g2p_encoder'}", file=sys.stderr)
+    return 0

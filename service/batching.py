@@ -1,0 +1,451 @@
+"""Sequence-length-aware batching: a bounded queue per model, batches chosen by a pure function.
+
+Two schedulers share the admission rules (bounded requests and tokens, deadline-aware
+refusal, dropping requests whose client left or whose deadline passed):
+
+- `DynamicBatcher` for tensor models: a batch closes on max rows, a token budget (rows x
+  padded length) or the max queue delay; requests of similar length go together, so padding
+  stays small. It is handed `run_batch(items, instance)` and knows neither gRPC nor onnxruntime.
+- `GenerationScheduler` for the g2p kind: words are decoded step by step in one
+  `DecodingBatch` per instance; a finished word leaves at once, waiting words join at the next
+  step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from service.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
+from service.generation import DecodingBatch, Hypothesis, StepModel, beam_search
+from service.repository import BatchingConfig
+
+__all__ = ["BatchObserver", "DynamicBatcher", "GenerationScheduler", "WordsRequest", "WorkItem", "select_batch"]
+
+log = logging.getLogger("qkv.batching")
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One request in a queue: `rows` batch rows of sequence length `length`."""
+
+    rows: int
+    length: int
+    payload: Any
+    future: asyncio.Future[Any]
+    arrived: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic seconds
+    started: float | None = None  # when its computation began
+    cancelled: bool = False  # the client went away
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+class BatchObserver(Protocol):
+    """What the schedulers report (the metrics module implements it)."""
+
+    def queue_depth(self, requests: int) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
+    def dropped(self, reason: str) -> None: ...
+
+
+class _NullObserver:
+    def queue_depth(self, requests: int) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
+    def dropped(self, reason: str) -> None: ...
+
+
+def select_batch(queue: Sequence[WorkItem], max_rows: int, token_budget: int, length_aware: bool = True) -> list[int]:
+    """Indices (into `queue`, oldest first) of the next batch.
+
+    The oldest request always goes, so nothing starves. Length-aware: the others are taken in
+    order of how close their length is to its length (log ratio), while rows and the padded
+    cost (rows x longest) fit. FIFO: taken in arrival order, padded to the longest.
+    """
+    if not queue:
+        return []
+    anchor = queue[0]
+    order = list(range(1, len(queue)))
+    if length_aware:
+        base = math.log(max(anchor.length, 1))
+        order.sort(key=lambda i: (abs(math.log(max(queue[i].length, 1)) - base), i))
+    chosen, rows, longest = [0], anchor.rows, anchor.length
+    for i in order:
+        item = queue[i]
+        new_rows, new_longest = rows + item.rows, max(longest, item.length)
+        if new_rows > max_rows or new_rows * new_longest > token_budget:
+            if length_aware:
+                continue
+            break
+        chosen.append(i)
+        rows, longest = new_rows, new_longest
+    return sorted(chosen)
+
+
+class _Admission:
+    """Bounded queue accounting and a throughput estimate for deadline-aware admission."""
+
+    def __init__(self, name: str, config: BatchingConfig, instances: int) -> None:
+        self.name, self.config, self.instances = name, config, instances
+        self.queued_requests = 0
+        self.queued_tokens = 0
+        self.tokens_per_second = 0.0  # all instances together, smoothed; 0 until measured
+
+    def admit(self, tokens: int, deadline: float | None) -> None:
+        c = self.config
+        if self.queued_requests + 1 > c.max_queue_requests or self.queued_tokens + tokens > c.max_queue_tokens:
+            raise ResourceExhausted(
+                f"model '{self.name}' is overloaded: {self.queued_requests} requests / {self.queued_tokens} tokens "
+                f"queued (limits {c.max_queue_requests} / {c.max_queue_tokens})",
+                retry_after_ms=self.predicted_wait_ms(tokens),
+            )
+        if deadline is not None and self.tokens_per_second > 0:
+            wait = (self.queued_tokens + tokens) / self.tokens_per_second
+            if time.monotonic() + wait > deadline:
+                raise ResourceExhausted(
+                    f"model '{self.name}': the predicted wait of {wait * 1e3:.0f} ms exceeds the request's deadline",
+                    retry_after_ms=self.predicted_wait_ms(tokens),
+                )
+        self.queued_requests += 1
+        self.queued_tokens += tokens
+
+    def release(self, tokens: int) -> None:
+        self.queued_requests -= 1
+        self.queued_tokens -= tokens
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds * self.instances
+        self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+
+    def predicted_wait_ms(self, tokens: int) -> int | None:
+        if not self.tokens_per_second:
+            return None
+        return max(1, int((self.queued_tokens + tokens) / self.tokens_per_second * 1e3))
+
+
+def _refuse_if_gone(item: WorkItem, now: float, observer: BatchObserver) -> bool:
+    """Fail a request whose client left or whose deadline passed; True when it was refused."""
+    if item.future.done():
+        return True
+    if item.cancelled:
+        observer.dropped("cancelled")
+        item.future.set_exception(Cancelled("the client cancelled the request"))
+        return True
+    if item.deadline is not None and now >= item.deadline:
+        observer.dropped("deadline")
+        item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+        return True
+    return False
+
+
+class DynamicBatcher:
+    """Per-model queue of tensor requests, drained by one worker per model instance."""
+
+    def __init__(
+        self,
+        name: str,
+        config: BatchingConfig,
+        run_batch: Callable[[list[WorkItem], int], list[Any]],
+        instances: int = 1,
+        observer: BatchObserver | None = None,
+        padded_length: Callable[[list[WorkItem]], int] | None = None,
+    ) -> None:
+        self.name, self.config, self.run_batch = name, config, run_batch
+        self.instances = max(1, instances)
+        self.observer = observer or _NullObserver()
+        self.admission = _Admission(name, config, self.instances)
+        self.queue: list[WorkItem] = []
+        self._changed = asyncio.Event()
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(self.instances)]
+        self._workers: list[asyncio.Task[None]] = []
+        self._closed = False
+        self.padded_length = padded_length or (lambda items: max(i.length for i in items))
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work(i)) for i in range(self.instances)]
+
+    async def submit(self, item: WorkItem) -> Any:
+        """Queue `item` and wait for its result; raises a ServingError on refusal or failure."""
+        if self._closed:
+            raise Unavailable(f"model '{self.name}' is shutting down")
+        self.admission.admit(item.tokens, item.deadline)
+        self.queue.append(item)
+        self.observer.queue_depth(len(self.queue))
+        self._changed.set()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            item.cancelled = True  # the worker skips it if it has not started
+            raise
+
+    def _take(self, indices: list[int]) -> list[WorkItem]:
+        taken = [self.queue[i] for i in indices]
+        keep = set(indices)
+        self.queue = [x for i, x in enumerate(self.queue) if i not in keep]
+        for x in taken:
+            self.admission.release(x.tokens)
+        self.observer.queue_depth(len(self.queue))
+        return taken
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        gone = [i for i, x in enumerate(self.queue) if _refuse_if_gone(x, now, self.observer)]
+        if gone:
+            self._take(gone)
+
+    def _ready(self) -> float:
+        """0 when a batch should go now, else the seconds left of the oldest request's delay."""
+        if not self.config.enabled:
+            return 0.0
+        rows = sum(x.rows for x in self.queue)
+        longest = max(x.length for x in self.queue)
+        if rows >= self.config.max_batch_size or rows * longest >= self.config.token_budget:
+            return 0.0
+        return max(0.0, self.queue[0].arrived + self.config.max_queue_delay_ms / 1e3 - time.monotonic())
+
+    async def _work(self, instance: int) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._prune()
+            if not self.queue:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            wait = self._ready()
+            if wait > 0:
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), wait)
+                continue
+            c = self.config
+            max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
+            items = self._take(select_batch(self.queue, max_rows, c.token_budget, c.length_aware))
+            if self.queue:
+                self._changed.set()  # let an idle instance look at what is left
+            start = time.monotonic()
+            for x in items:
+                x.started = start
+                self.observer.waited(start - x.arrived)
+            try:
+                results = await loop.run_in_executor(self._executors[instance], self.run_batch, items, instance)
+            except ServingError as e:
+                results = [e] * len(items)
+            except Exception as e:  # a runtime failure fails this batch only
+                log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
+                results = [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
+            seconds = time.monotonic() - start
+            real = sum(x.tokens for x in items)
+            padded = sum(x.rows for x in items) * self.padded_length(items)
+            self.admission.measured(real, seconds)
+            self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
+            for x, r in zip(items, results, strict=True):
+                if x.future.done():
+                    continue
+                if isinstance(r, BaseException):
+                    x.future.set_exception(r)
+                else:
+                    x.future.set_result(r)
+
+    async def close(self) -> None:
+        """Refuse new work; queued and running requests still complete."""
+        self._closed = True
+        while self.queue:
+            await asyncio.sleep(0.01)
+        for w in self._workers:
+            w.cancel()
+        for e in self._executors:
+            e.shutdown(wait=True)
+
+
+@dataclass(eq=False)
+class WordsRequest:
+    """A g2p request: the words of all its elements, decoded independently."""
+
+    sources: list[list[int]]
+    max_output_length: int
+    beam_size: int = 1
+    with_attention: bool = False
+    results: list[Hypothesis | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+class GenerationScheduler:
+    """Continuous batching of word decoding over `DecodingBatch`, one worker per model instance."""
+
+    def __init__(
+        self,
+        name: str,
+        config: BatchingConfig,
+        models: Sequence[StepModel],
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self.name, self.config, self.models = name, config, list(models)
+        self.observer = observer or _NullObserver()
+        self.admission = _Admission(name, config, len(self.models))
+        self.queue: list[WorkItem] = []  # requests not yet (fully) admitted into a batch
+        self._changed = asyncio.Event()
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(len(models))]
+        self._workers: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._running = 0
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work(i)) for i in range(len(self.models))]
+
+    async def submit(self, item: WorkItem) -> list[Hypothesis]:
+        if self._closed:
+            raise Unavailable(f"model '{self.name}' is shutting down")
+        req: WordsRequest = item.payload
+        req.results = [None] * len(req.sources)
+        req.remaining = len(req.sources)
+        self.admission.admit(item.tokens, item.deadline)
+        self.queue.append(item)
+        self.observer.queue_depth(len(self.queue))
+        self._changed.set()
+        try:
+            return await item.future  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            item.cancelled = True
+            raise
+
+    def _pop(self, item: WorkItem) -> None:
+        self.queue.remove(item)
+        self.admission.release(item.tokens)
+        self.observer.queue_depth(len(self.queue))
+
+    def _admit_into(self, batch: DecodingBatch) -> list[tuple[WorkItem, list[Hypothesis]]]:
+        """Waiting greedy requests that fit into `batch` now (whole requests, oldest first)."""
+        c = self.config
+        now = time.monotonic()
+        joined: list[tuple[WorkItem, list[Hypothesis]]] = []
+        rows = len(batch)
+        if rows and not c.continuous:
+            return joined
+        for item in list(self.queue):
+            req: WordsRequest = item.payload
+            if req.beam_size > 1:
+                continue
+            if _refuse_if_gone(item, now, self.observer):
+                self._pop(item)
+                continue
+            n = len(req.sources)
+            if rows and rows + n > c.max_batch_size:
+                break
+            self._pop(item)
+            item.started = now
+            self.observer.waited(now - item.arrived)
+            hyps = [
+                Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
+                for j, src in enumerate(req.sources)
+            ]
+            joined.append((item, hyps))
+            rows += n
+            if not c.enabled:
+                break
+        return joined
+
+    def _next_beam(self) -> WorkItem | None:
+        now = time.monotonic()
+        for item in list(self.queue):
+            if item.payload.beam_size > 1:
+                self._pop(item)
+                if _refuse_if_gone(item, now, self.observer):
+                    continue
+                item.started = now
+                return item
+        return None
+
+    def _advance(self, batch: DecodingBatch, new: list[Hypothesis]) -> tuple[list[Hypothesis], int, int]:
+        """Runs on the instance's thread: admit new rows, then one decoding step."""
+        batch.add(new)
+        rows = len(batch)
+        mask = batch.memory_mask
+        real = int(mask.sum())
+        return batch.step(), rows, real
+
+    def _finish(self, h: Hypothesis) -> None:
+        item, j = h.tag  # type: ignore[misc]
+        req: WordsRequest = item.payload
+        req.results[j] = h
+        req.remaining -= 1
+        if req.remaining == 0 and not item.future.done():
+            item.future.set_result(req.results)
+
+    async def _work(self, instance: int) -> None:
+        loop = asyncio.get_running_loop()
+        model = self.models[instance]
+        executor = self._executors[instance]
+        batch = DecodingBatch(model)
+        while True:
+            beam = None if len(batch) else self._next_beam()
+            if beam is not None:
+                await self._run_beam(beam, instance)
+                continue
+            joined = self._admit_into(batch)
+            if not len(batch) and not joined:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            new = [h for _, hyps in joined for h in hyps]
+            start = time.monotonic()
+            try:
+                finished, rows, real = await loop.run_in_executor(executor, self._advance, batch, new)
+            except Exception as e:  # fail every request in this batch, keep serving
+                log.error("model '%s': decoding batch failed: %s", self.name, e)
+                failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}  # type: ignore[index]
+                for item in failed.values():
+                    if not item.future.done():
+                        item.future.set_exception(Internal(f"model '{self.name}' failed on this batch: {e}"))
+                batch = DecodingBatch(model)
+                continue
+            seconds = time.monotonic() - start
+            padded = rows * batch.memory_mask.shape[1] if len(batch) else real
+            self.observer.batch(rows, max(padded, real), real, seconds)
+            self.admission.measured(rows, seconds)
+            for h in finished:
+                self._finish(h)
+
+    async def _run_beam(self, item: WorkItem, instance: int) -> None:
+        req: WordsRequest = item.payload
+        start = time.monotonic()
+        try:
+            hyps = await asyncio.get_running_loop().run_in_executor(
+                self._executors[instance],
+                beam_search,
+                self.models[instance],
+                req.sources,
+                req.beam_size,
+                req.max_output_length,
+                1,
+                2,
+                req.with_attention,
+            )
+        except Exception as e:
+            log.error("model '%s': beam search failed: %s", self.name, e)
+            item.future.set_exception(Internal(f"model '{self.name}' failed on this request: {e}"))
+            return
+        self.observer.batch(len(req.sources) * req.beam_size, item.tokens, item.tokens, time.monotonic() - start)
+        if not item.future.done():
+            item.future.set_result(hyps)
+
+    async def close(self) -> None:
+        self._closed = True
+        while self.queue:
+            await asyncio.sleep(0.01)
+        for w in self._workers:
+            w.cancel()
+        for e in self._executors:
+            e.shutdown(wait=True)

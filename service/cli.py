@@ -1,0 +1,141 @@
+"""`qkv`: one command line for serving, calling and (with the export extra) training.
+
+The training commands import `export` (torch) only when called, so the serving install stays
+torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+COMMANDS = {
+    "train": "train the Transformer (progress bar, checkpoints, resume)",
+    "evaluate": "WER/PER of a checkpoint or an exported model on the test split",
+    "export": "checkpoint -> ONNX graphs + model repository entry, with parity check",
+    "serve": "the gRPC server",
+    "infer": "call a server: qkv infer --model g2p attention transformer",
+    "attention": "render a word's cross-attention map to PNG through the server",
+    "bench": "load test against a server; JSON + PNG plots",
+    "health": "grpc.health.v1 check, exit 0 when SERVING",
+}
+
+
+def _serve(argv: list[str]) -> int:
+    from service.config import add_arguments, from_arguments
+    from service.server import serve
+
+    parser = argparse.ArgumentParser(prog="qkv serve", description="Serve the model repository over gRPC.")
+    add_arguments(parser)
+    return serve(from_arguments(parser.parse_args(argv)))
+
+
+def _client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="127.0.0.1:8001", help="server HOST:PORT")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    parser.add_argument("--token", help="bearer token (or QKV_TOKEN)")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA to verify the server (enables TLS)")
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import os
+
+    import grpc
+
+    from service.client import Client
+
+    creds = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
+    return Client(args.url, args.timeout, args.token or os.environ.get("QKV_TOKEN"), creds)
+
+
+def _infer(argv: list[str]) -> int:
+    import grpc
+
+    from service.client import g2p_outputs, g2p_request
+
+    parser = argparse.ArgumentParser(prog="qkv infer", description="Words in, phonemes out.")
+    parser.add_argument("words", nargs="+", help="each argument is one TEXT element")
+    parser.add_argument("--model", default="g2p")
+    parser.add_argument("--beam-size", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    _client_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        with _client(args) as client:
+            out = g2p_outputs(client.infer(g2p_request(args.words, args.model, beam_size=args.beam_size)))
+    except grpc.RpcError as e:
+        print(f"qkv infer: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{"text": w, "phonemes": p} for w, p in zip(args.words, out["PHONEMES"], strict=True)]))
+    else:
+        for w, p in zip(args.words, out["PHONEMES"], strict=True):
+            print(f"{w}\t{p}")
+    return 0
+
+
+def _health(argv: list[str]) -> int:
+    import grpc
+
+    from service.client import health_check
+
+    parser = argparse.ArgumentParser(prog="qkv health", description="Exit 0 when the server (or --service) SERVES.")
+    parser.add_argument("--service", default="", help="a model name, or '' for the whole server")
+    _client_arguments(parser)
+    args = parser.parse_args(argv)
+    creds = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
+    try:
+        status = health_check(args.url, args.service, args.timeout, creds)
+    except grpc.RpcError as e:
+        print(f"{e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _attention(argv: list[str]) -> int:
+    from service.attention_plot import main as attention_main
+
+    return attention_main(argv, _client_arguments, _client)
+
+
+def _export_command(name: str, argv: list[str]) -> int:
+    try:
+        if name == "train":
+            from export.train import main as run
+        elif name == "evaluate":
+            from export.evaluate import main as run
+        else:
+            from export.onnx_export import main as run
+    except ImportError as e:
+        print(f"qkv {name} needs the export extra (pip install '.[export]'): {e}", file=sys.stderr)
+        return 2
+    return run(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from service.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: qkv COMMAND [ARGS]\n\ncommands:")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command in ("train", "evaluate", "export"):
+        return _export_command(command, rest)
+    handlers = {"serve": _serve, "infer": _infer, "health": _health, "attention": _attention, "bench": _bench}
+    return handlers[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

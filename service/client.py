@@ -1,0 +1,176 @@
+"""A small Python client for qkv (any v2-protocol server), sync and asyncio, with deadlines.
+
+    from service.client import Client
+    with Client("127.0.0.1:8001") as c:
+        print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
+
+Calls retry on UNAVAILABLE (a restarting or draining server) with exponential backoff, within
+the call's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from service import protocol
+from service.codec import decode_bytes, encode_bytes
+
+__all__ = ["AsyncClient", "Client", "g2p_outputs", "g2p_request", "health_check"]
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def g2p_request(texts: Sequence[str], model: str = "g2p", attention: bool = False, beam_size: int = 1) -> Any:
+    """A ModelInferRequest for the g2p model, TEXT as raw BYTES."""
+    req = protocol.ModelInferRequest(model_name=model)
+    req.inputs.add(name="TEXT", datatype="BYTES", shape=[len(texts)])
+    req.raw_input_contents.append(encode_bytes(np.array([t.encode() for t in texts], dtype=object)))
+    req.outputs.add(name="PHONEMES")
+    if attention:
+        req.outputs.add(name="ATTENTION")
+    if beam_size != 1:
+        req.parameters["beam_size"].int64_param = beam_size
+    return req
+
+
+def g2p_outputs(response: Any) -> dict[str, Any]:
+    """PHONEMES as a list of str, ATTENTION (if present) as a float32 array."""
+    out: dict[str, Any] = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        count = int(np.prod(tensor.shape)) if tensor.shape else 1
+        if tensor.datatype == "BYTES":
+            out[tensor.name] = [b.decode() for b in decode_bytes(raw, count, tensor.name)]
+        else:
+            out[tensor.name] = np.frombuffer(raw, dtype=np.float32).reshape(tuple(tensor.shape))
+    return out
+
+
+def _metadata(token: str | None) -> list[tuple[str, str]] | None:
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+def _channel_args(target: str, ssl: grpc.ChannelCredentials | None) -> dict[str, Any]:
+    return {"target": target, "options": [("grpc.max_receive_message_length", 64 << 20)]} | (
+        {"credentials": ssl} if ssl is not None else {}
+    )
+
+
+def _backoff(attempt: int) -> float:
+    return min(1.0, 0.05 * 2**attempt) * (0.5 + random.random() / 2)
+
+
+class Client:
+    """Blocking client. `timeout` is each call's deadline in seconds, retries included."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 10.0,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        args = _channel_args(target, credentials)
+        self.channel = grpc.secure_channel(**args) if credentials else grpc.insecure_channel(**args)
+        self.stub = protocol.Stub(self.channel)
+        self.timeout, self.metadata = timeout, _metadata(token)
+
+    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                return getattr(self.stub, method)(
+                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
+                )
+            except grpc.RpcError as e:
+                pause = _backoff(attempt)
+                if e.code() not in RETRYABLE or time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                attempt += 1
+
+    def infer(self, request: Any, timeout: float | None = None) -> Any:
+        return self.call("ModelInfer", request, timeout)
+
+    def g2p(self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None) -> list[str]:
+        return g2p_outputs(self.infer(g2p_request(texts, model), timeout))["PHONEMES"]  # type: ignore[no-any-return]
+
+    def ready(self) -> bool:
+        return bool(self.call("ServerReady", protocol.ServerReadyRequest()).ready)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client over grpc.aio, same interface as `Client` with `await`."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 10.0,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        args = _channel_args(target, credentials)
+        self.channel = grpc.aio.secure_channel(**args) if credentials else grpc.aio.insecure_channel(**args)
+        self.stub = protocol.Stub(self.channel)
+        self.timeout, self.metadata = timeout, _metadata(token)
+
+    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self.stub, method)(
+                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
+                )
+            except grpc.aio.AioRpcError as e:
+                pause = _backoff(attempt)
+                if e.code() not in RETRYABLE or time.monotonic() + pause >= deadline:
+                    raise
+                await asyncio.sleep(pause)
+                attempt += 1
+
+    async def infer(self, request: Any, timeout: float | None = None) -> Any:
+        return await self.call("ModelInfer", request, timeout)
+
+    async def g2p(self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None) -> list[str]:
+        return g2p_outputs(await self.infer(g2p_request(texts, model), timeout))["PHONEMES"]  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def health_check(
+    target: str, service: str = "", timeout: float = 3.0, credentials: grpc.ChannelCredentials | None = None
+) -> str:
+    """grpc.health.v1 status name of `service` ('' = the whole server)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    args = _channel_args(target, credentials)
+    make: Callable[..., grpc.Channel] = grpc.secure_channel if credentials else grpc.insecure_channel
+    with make(**args) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -1,0 +1,99 @@
+"""Server settings: one dataclass, each field a `qkv serve` flag and a `QKV_*` environment variable.
+
+Precedence: flag > environment > default. Per-model batching settings live in each model's
+config.json instead (service/repository.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServerSettings", "add_arguments", "from_arguments"]
+
+
+def _setting(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_repository: Path = _setting(Path("models"), "directory of models (NAME/VERSION/...)")
+    host: str = _setting("0.0.0.0", "address the gRPC port binds to")
+    grpc_port: int = _setting(8001, "gRPC port (0: any free port, printed at start)")
+    metrics_host: str = _setting("", "address of the metrics port (default: --host)")
+    metrics_port: int = _setting(8002, "Prometheus /metrics HTTP port (0: any free port; -1: off)")
+    device: str = _setting(
+        "cpu", "execution provider: cpu, or cuda (falls back to cpu when absent)", choices=("cpu", "cuda")
+    )
+    tls_cert: Path | None = _setting(None, "PEM certificate chain: serve TLS")
+    tls_key: Path | None = _setting(None, "PEM private key of --tls-cert")
+    tls_client_ca: Path | None = _setting(None, "PEM CA bundle: require client certificates (mutual TLS)")
+    auth_token_file: Path | None = _setting(None, "bearer tokens, one a line, for inference RPCs")
+    grace_period: float = _setting(10.0, "seconds in-flight requests get to finish after SIGTERM")
+    max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
+    max_message_bytes: int = _setting(64 << 20, "largest request or response message")
+    max_concurrent_streams: int = _setting(1024, "HTTP/2 streams one connection may hold open")
+    access_log: bool = _setting(False, "one JSON line per request on stderr")
+    log_level: str = _setting("info", "debug, info, warning or error")
+
+    def summary(self) -> str:
+        secret = {"auth_token_file", "tls_key"}
+        return " ".join(
+            f"{f.name}={'<set>' if f.name in secret and getattr(self, f.name) else getattr(self, f.name)}"
+            for f in fields(self)
+        )
+
+
+def _parse_bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _convert(kind: str, value: str) -> Any:
+    if "Path" in kind:
+        return Path(value) if value else None
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "bool":
+        return _parse_bool(value)
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(ServerSettings):
+        flag = "--" + f.name.replace("_", "-")
+        env = "QKV_" + f.name.upper()
+        help_text = f"{f.metadata['help']} [{env}]"
+        kind = str(f.type)
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(
+                flag,
+                type=lambda v, k=kind: _convert(k, v),
+                default=None,
+                help=help_text,
+                choices=f.metadata.get("choices"),
+            )
+
+
+def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerSettings:
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(ServerSettings):
+        given = getattr(args, f.name, None)
+        env = environ.get("QKV_" + f.name.upper())
+        if given is not None:
+            values[f.name] = given
+        elif env is not None:
+            value = _convert(str(f.type), env)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise SystemExit(f"QKV_{f.name.upper()}={env!r}: choose from {', '.join(choices)}")
+            values[f.name] = value
+    return ServerSettings(**values)

@@ -1,0 +1,145 @@
+"""Prometheus metrics (DESIGN.md, "Metrics"): every name, label and bucket in one place.
+
+Buckets: request and queue latency span 0.25 ms to 10 s (sub-millisecond tensor calls to
+multi-second overloaded g2p requests), compute 0.1 ms to 5 s; batch sizes are powers of two up to
+the largest max_batch_size; padding ratio in tenths. The HTTP exporter runs on its own port.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["SEQ_LEN_BUCKETS", "Metrics", "ModelObserver", "seq_len_bucket"]
+
+SEQ_LEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+LATENCY_BUCKETS = (
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.004,
+    0.008,
+    0.016,
+    0.032,
+    0.064,
+    0.128,
+    0.256,
+    0.512,
+    1.0,
+    2.0,
+    4.0,
+    10.0,
+)
+COMPUTE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.004,
+    0.008,
+    0.016,
+    0.032,
+    0.064,
+    0.128,
+    0.256,
+    0.512,
+    1.0,
+    2.0,
+    5.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+
+
+def seq_len_bucket(length: int) -> str:
+    """The label of the smallest bucket upper bound >= length: '8', '16', ... '512', 'inf'."""
+    i = bisect.bisect_left(SEQ_LEN_BUCKETS, length)
+    return str(SEQ_LEN_BUCKETS[i]) if i < len(SEQ_LEN_BUCKETS) else "inf"
+
+
+class Metrics:
+    """The server's metrics in a registry of their own (tests can run several servers)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.request_duration = Histogram(
+            "qkv_request_duration_seconds",
+            "Time from a request's arrival to its response",
+            ["model", "seq_len"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "qkv_queue_duration_seconds",
+            "Time a request waited before its batch started",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute_duration = Histogram(
+            "qkv_compute_duration_seconds",
+            "Time of one batch run (one decoding step for g2p)",
+            ["model"],
+            buckets=COMPUTE_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "qkv_batch_size", "Rows per batch run", ["model"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.padding_ratio = Histogram(
+            "qkv_batch_padding_ratio",
+            "Padded tokens / total tokens of a batch run",
+            ["model"],
+            buckets=PADDING_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "qkv_requests", "Inference requests by final gRPC status", ["model", "code"], registry=r
+        )
+        self.inflight = Gauge("qkv_inflight_requests", "Requests being handled", ["model"], registry=r)
+        self.queue_depth = Gauge("qkv_queue_depth", "Requests waiting in the model's queue", ["model"], registry=r)
+        self.tokens = Counter("qkv_tokens", "Tokens in and out", ["model", "direction"], registry=r)
+        self.model_info = Gauge(
+            "qkv_model_info", "Served models (value 1)", ["model", "version", "provider"], registry=r
+        )
+        self.dropped = Counter(
+            "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
+        )
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; return the bound port (port 0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+    def observer(self, model: str) -> ModelObserver:
+        return ModelObserver(self, model)
+
+
+class ModelObserver:
+    """The batchers' `BatchObserver` for one model, with its label children bound once."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._depth = metrics.queue_depth.labels(model)
+        self._queue = metrics.queue_duration.labels(model)
+        self._compute = metrics.compute_duration.labels(model)
+        self._size = metrics.batch_size.labels(model)
+        self._padding = metrics.padding_ratio.labels(model)
+        self._dropped = {r: metrics.dropped.labels(model, r) for r in ("cancelled", "deadline")}
+
+    def queue_depth(self, requests: int) -> None:
+        self._depth.set(requests)
+
+    def waited(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        self._compute.observe(compute_seconds)
+        self._size.observe(rows)
+        if padded_tokens > 0:
+            self._padding.observe(max(0.0, (padded_tokens - real_tokens) / padded_tokens))
+
+    def dropped(self, reason: str) -> None:
+        self._dropped[reason].inc()

@@ -1,0 +1,361 @@
+"""The two model kinds, protocol-free: numpy arrays in, numpy arrays out, through a batcher.
+
+- `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
+  padded along the sequence axis, each request given back its own slice of every output.
+- `G2PModel`: TEXT -> PHONEMES (and ATTENTION on request), each word decoded on the shared
+  continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem
+from service.codec import datatype_of
+from service.errors import InvalidArgument
+from service.generation import Hypothesis
+from service.metrics import ModelObserver
+from service.repository import ModelConfig
+from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
+
+__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
+
+MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
+
+
+@dataclass
+class Result:
+    outputs: dict[str, np.ndarray]
+    seq_len: int  # what the latency histogram is split by
+    tokens_in: int
+    tokens_out: int
+
+
+@dataclass
+class ModelStats:
+    """Per-model counts and times for Triton's ModelStatistics (nanoseconds)."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    inference_count: int = 0  # rows
+    execution_count: int = 0  # batch runs
+    last_inference_ms: int = 0
+    batches: dict[int, list[int]] = field(default_factory=dict)  # batch size -> [count, compute ns]
+
+
+def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
+    known = {s.name for s in specs}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise InvalidArgument(f"model '{model}' has no input '{unknown[0]}' (inputs: {', '.join(sorted(known))})")
+    for s in specs:
+        if s.name not in inputs:
+            raise InvalidArgument(f"model '{model}': missing input '{s.name}'")
+        a = inputs[s.name]
+        if datatype_of(a) != s.datatype:
+            raise InvalidArgument(f"input '{s.name}': datatype {datatype_of(a)}, model '{model}' expects {s.datatype}")
+        if a.ndim != len(s.shape):
+            raise InvalidArgument(
+                f"input '{s.name}': shape {list(a.shape)} has {a.ndim} dimensions, model '{model}' expects "
+                f"{len(s.shape)} ({list(s.shape)})"
+            )
+        for axis, (got, want) in enumerate(zip(a.shape, s.shape, strict=True)):
+            if want >= 0 and got != want:
+                raise InvalidArgument(
+                    f"input '{s.name}': dimension {axis} is {got}, model '{model}' expects {want} ({list(s.shape)})"
+                )
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise InvalidArgument(f"input '{s.name}': contains NaN or infinite values")
+    return inputs
+
+
+class TensorModel:
+    kind = "tensor"
+
+    def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
+        self.config, self.runtime = config, runtime
+        self.name, self.version, self.provider = config.name, config.version, runtime.provider
+        self.inputs, self.outputs = runtime.inputs, runtime.outputs
+        self.stats = ModelStats()
+        # Batchable when every input and output has a dynamic first axis.
+        self.batchable = all(s.shape and s.shape[0] < 0 for s in [*self.inputs, *self.outputs])
+        self.sequence_axis = config.sequence_axis
+        self._seq_names = {
+            s.axes[self.sequence_axis]
+            for s in self.inputs
+            if self.sequence_axis is not None and len(s.axes) > self.sequence_axis
+        }
+        self._seq_names.discard(None)
+        self.max_sequence_length = int(config.limits.get("max_sequence_length", 0))
+        self.vocab_size = (
+            {k: int(v) for k, v in config.limits.get("vocab_size", {}).items()}
+            if isinstance(config.limits.get("vocab_size"), dict)
+            else {}
+        )
+        b = config.batching
+        if not self.batchable:
+            from dataclasses import replace
+
+            b = replace(b, enabled=False, max_batch_size=1)
+        self.max_batch_size = b.max_batch_size if self.batchable else 0
+        self.batcher = DynamicBatcher(
+            self.name, b, self._run_batch, len(runtime.sessions), observer, padded_length=self._padded_length
+        )
+
+    def _length(self, feeds: dict[str, np.ndarray]) -> int:
+        if self.sequence_axis is None:
+            return max((int(np.prod(a.shape[1:])) for a in feeds.values()), default=1)
+        lengths = {
+            a.shape[self.sequence_axis]
+            for s, a in ((s, feeds[s.name]) for s in self.inputs)
+            if len(s.axes) > self.sequence_axis and s.axes[self.sequence_axis] in self._seq_names
+        }
+        if len(lengths) > 1:
+            raise InvalidArgument(
+                f"inputs disagree on the sequence length (axis {self.sequence_axis}): {sorted(lengths)}"
+            )
+        return lengths.pop() if lengths else 1
+
+    def _group(self, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
+        """Requests batch together when all their dims but batch (and sequence) agree."""
+        key = []
+        for s in self.inputs:
+            dims = list(feeds[s.name].shape[1:])
+            if (
+                self.sequence_axis is not None
+                and len(s.axes) > self.sequence_axis
+                and s.axes[self.sequence_axis] in self._seq_names
+            ):
+                dims[self.sequence_axis - 1] = -1
+            key.append((s.name, tuple(dims)))
+        return tuple(key)
+
+    def _padded_length(self, items: list[WorkItem]) -> int:
+        return max(x.length for x in items)
+
+    async def infer(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any], deadline: float | None
+    ) -> Result:
+        feeds = _checked_feeds(self.inputs, inputs, self.name)
+        names = [o.name for o in self.outputs]
+        for o in outputs:
+            if o not in names:
+                raise InvalidArgument(f"model '{self.name}' has no output '{o}' (outputs: {', '.join(names)})")
+        rows = {a.shape[0] for a in feeds.values()} if self.batchable else {1}
+        if len(rows) > 1:
+            raise InvalidArgument(f"inputs disagree on the batch size (axis 0): {sorted(rows)}")
+        n = rows.pop()
+        if n < 1:
+            raise InvalidArgument("the batch dimension (axis 0) is 0: nothing to infer")
+        if self.batchable and n > self.max_batch_size:
+            raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
+        length = self._length(feeds)
+        if self.max_sequence_length and length > self.max_sequence_length:
+            raise InvalidArgument(
+                f"sequence length {length} exceeds model '{self.name}' limit of {self.max_sequence_length}"
+            )
+        for name, size in self.vocab_size.items():
+            a = feeds.get(name)
+            if a is not None and a.size and (a.min() < 0 or a.max() >= size):
+                bad = int(a.min()) if a.min() < 0 else int(a.max())
+                raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
+        loop = asyncio.get_running_loop()
+        item = WorkItem(
+            rows=n,
+            length=length,
+            payload=(feeds, outputs or names, self._group(feeds)),
+            future=loop.create_future(),
+            deadline=deadline,
+        )
+        result: dict[str, np.ndarray] = await self.batcher.submit(item)
+        tokens = n * length
+        return Result(result, length, tokens, 0)
+
+    def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+        """Runs on an instance thread: pad, concatenate, run once, split back per request."""
+        groups: dict[Any, list[int]] = {}
+        for i, x in enumerate(items):
+            groups.setdefault(x.payload[2], []).append(i)
+        results: list[dict[str, np.ndarray]] = [{} for _ in items]
+        for index in groups.values():
+            part = [items[i] for i in index]
+            for i, r in zip(index, self._run_group(part, instance), strict=True):
+                results[i] = r
+        return results
+
+    def _run_group(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+        t0 = time.perf_counter_ns()
+        longest = max(x.length for x in items)
+        feeds = {}
+        for s in self.inputs:
+            parts = [x.payload[0][s.name] for x in items]
+            axis = self.sequence_axis
+            if axis is not None and len(s.axes) > axis and s.axes[axis] in self._seq_names:
+                parts = [
+                    np.pad(p, [(0, longest - p.shape[axis]) if k == axis else (0, 0) for k in range(p.ndim)])
+                    for p in parts
+                ]
+            feeds[s.name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        wanted = sorted({o for x in items for o in x.payload[1]}, key=[o.name for o in self.outputs].index)
+        arrays = dict(zip(wanted, self.runtime.run(instance, feeds, wanted), strict=True))
+        out: list[dict[str, np.ndarray]] = []
+        start = 0
+        for x in items:
+            mine = {}
+            for o in self.outputs:
+                if o.name not in x.payload[1]:
+                    continue
+                a = arrays[o.name][start : start + x.rows]
+                for axis, sym in enumerate(o.axes):
+                    if axis > 0 and sym in self._seq_names:
+                        a = np.take(a, np.arange(x.length), axis=axis)
+                mine[o.name] = np.ascontiguousarray(a)
+            out.append(mine)
+            start += x.rows
+        self._account(sum(x.rows for x in items), time.perf_counter_ns() - t0)
+        return out
+
+    def _account(self, rows: int, ns: int) -> None:
+        s = self.stats
+        s.inference_count += rows
+        s.execution_count += 1
+        s.compute_ns += ns
+        s.last_inference_ms = int(time.time() * 1000)
+        entry = s.batches.setdefault(rows, [0, 0])
+        entry[0] += 1
+        entry[1] += ns
+
+
+# Punctuation stripped around words; a character left inside a word must be in the grapheme vocabulary.
+_STRIP = string.punctuation + "“”‘’«»…–—"
+
+
+class G2PModel:
+    kind = "g2p"
+    inputs: ClassVar[list[TensorSpec]] = [TensorSpec("TEXT", "BYTES", (-1,), ("batch",))]
+    outputs: ClassVar[list[TensorSpec]] = [
+        TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
+        TensorSpec("ATTENTION", "FP32", (-1, -1, -1), ("word", "phoneme", "grapheme")),
+    ]
+
+    def __init__(self, config: ModelConfig, runtime: G2PRuntime, observer: ModelObserver) -> None:
+        self.config, self.runtime = config, runtime
+        self.name, self.version, self.provider = config.name, config.version, runtime.provider
+        self.graphemes, self.phonemes = runtime.graphemes, runtime.phonemes
+        limits = config.limits
+        self.max_word_length = int(limits.get("max_word_length", 32))
+        self.max_output_length = int(limits.get("max_output_length", 40))
+        self.max_words = int(limits.get("max_words", 64))
+        self.max_element_bytes = int(limits.get("max_element_bytes", 1024))
+        self.max_beam_size = int(limits.get("max_beam_size", 8))
+        self.max_batch_size = config.batching.max_batch_size
+        self.stats = ModelStats()
+        self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
+
+    def words(self, text: np.ndarray) -> list[list[str]]:
+        """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""
+        out = []
+        for i, raw in enumerate(text.reshape(-1)):
+            if not isinstance(raw, bytes):
+                raw = str(raw).encode()
+            if len(raw) > self.max_element_bytes:
+                raise InvalidArgument(
+                    f"input 'TEXT' element {i}: {len(raw)} bytes, the limit is {self.max_element_bytes}"
+                )
+            try:
+                s = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InvalidArgument(f"input 'TEXT' element {i} is not valid UTF-8 (byte {e.start})") from None
+            words = [w for w in (t.strip(_STRIP) for t in s.lower().split()) if w]
+            if not words:
+                raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
+            for w in words:
+                if len(w) > self.max_word_length:
+                    raise InvalidArgument(
+                        f"input 'TEXT' element {i}: word '{w[:40]}' has {len(w)} letters, "
+                        f"the limit is {self.max_word_length}"
+                    )
+                bad = next((c for c in w if c not in self.graphemes), None)
+                if bad is not None:
+                    raise InvalidArgument(
+                        f"input 'TEXT' element {i}: the model cannot spell character {bad!r} "
+                        f"(U+{ord(bad):04X}) in '{w[:40]}'"
+                    )
+            out.append(words)
+        total = sum(map(len, out))
+        if total > self.max_words:
+            raise InvalidArgument(f"input 'TEXT': {total} words in one request, the limit is {self.max_words}")
+        return out
+
+    def _int_param(self, params: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+        value = params.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"parameter '{name}' must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise InvalidArgument(f"parameter '{name}' must be in [{low}, {high}], got {value}")
+        return value
+
+    async def infer(
+        self, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any], deadline: float | None
+    ) -> Result:
+        unknown = sorted(set(inputs) - {"TEXT"})
+        if unknown:
+            raise InvalidArgument(f"model '{self.name}' has no input '{unknown[0]}' (inputs: TEXT)")
+        if "TEXT" not in inputs:
+            raise InvalidArgument(f"model '{self.name}': missing input 'TEXT'")
+        text = inputs["TEXT"]
+        if text.dtype != np.object_:
+            raise InvalidArgument(f"input 'TEXT': datatype must be BYTES, model '{self.name}' got a numeric tensor")
+        if text.size == 0:
+            raise InvalidArgument("input 'TEXT' has no elements")
+        for o in outputs:
+            if o not in ("PHONEMES", "ATTENTION"):
+                raise InvalidArgument(f"model '{self.name}' has no output '{o}' (outputs: PHONEMES, ATTENTION)")
+        beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
+        max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
+        elements = self.words(text)
+        flat = [w for ws in elements for w in ws]
+        sources = [self.graphemes.encode(w) for w in flat]
+        with_attention = "ATTENTION" in outputs
+        req = WordsRequest(sources, max_out, beam, with_attention)
+        longest = max(map(len, sources))
+        loop = asyncio.get_running_loop()
+        item = WorkItem(
+            rows=len(sources), length=longest + 1, payload=req, future=loop.create_future(), deadline=deadline
+        )
+        t0 = time.perf_counter_ns()
+        hyps: list[Hypothesis] = await self.scheduler.submit(item)
+        self._account(len(sources), time.perf_counter_ns() - t0)
+        decoded = [self.phonemes.decode(h.output) for h in hyps]
+        joined, k = [], 0
+        for ws in elements:
+            joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
+            k += len(ws)
+        result: dict[str, np.ndarray] = {}
+        if not outputs or "PHONEMES" in outputs:
+            result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
+        if with_attention:
+            t = max(len(d) for d in decoded) or 1
+            att = np.zeros((len(hyps), t, longest), dtype=np.float32)
+            for i, (h, d) in enumerate(zip(hyps, decoded, strict=True)):
+                rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
+                att[i, : len(d), : rows.shape[1]] = rows
+            result["ATTENTION"] = att
+        return Result(result, longest, sum(map(len, sources)), sum(map(len, decoded)))
+
+    def _account(self, words: int, ns: int) -> None:
+        s = self.stats
+        s.inference_count += words
+        s.execution_count += 1
+        s.compute_ns += ns
+        s.last_inference_ms = int(time.time() * 1000)

@@ -1,0 +1,97 @@
+"""onnxruntime sessions: execution provider choice, model instances, graph input/output specs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from service.codec import ONNX_DATATYPES
+from service.repository import ModelConfig, RepositoryError
+from service.seq2seq import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
+from service.vocab import Vocabulary
+
+__all__ = ["G2PRuntime", "TensorRuntime", "TensorSpec", "choose_providers"]
+
+log = logging.getLogger("qkv.runtime")
+
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+def choose_providers(device: str) -> list[str]:
+    """CUDA first when asked for and present, else CPU, saying so once."""
+    if device == "cuda":
+        if CUDA in ort.get_available_providers():
+            return [CUDA, CPU]
+        log.warning(
+            "--device cuda: onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu and "
+            "use a GPU); falling back to CPUExecutionProvider"
+        )
+    return [CPU]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: `shape` holds -1 for a dynamic axis, `axes` the symbolic names."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+
+def _specs(args: list[ort.NodeArg]) -> list[TensorSpec]:
+    out = []
+    for a in args:
+        dims = [d if isinstance(d, int) and d >= 0 else -1 for d in a.shape]
+        names = [d if isinstance(d, str) else None for d in a.shape]
+        out.append(TensorSpec(a.name, ONNX_DATATYPES.get(a.type, a.type), tuple(dims), tuple(names)))
+    return out
+
+
+def _session(path: Path, config: ModelConfig, providers: list[str]) -> ort.InferenceSession:
+    options = session_options(config.intra_op_threads, config.inter_op_threads, config.optimization)
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types for corrupt graphs
+        raise RepositoryError(f"model '{config.name}': cannot load {path}: {e}") from e
+
+
+class TensorRuntime:
+    """A plain ONNX graph, `config.instances` sessions of it."""
+
+    def __init__(self, config: ModelConfig, providers: list[str]) -> None:
+        path = config.directory / "model.onnx"
+        if not path.exists():
+            raise RepositoryError(f"model '{config.name}': missing {path}")
+        self.config = config
+        self.sessions = [_session(path, config, providers) for _ in range(max(1, config.instances))]
+        self.provider = self.sessions[0].get_providers()[0]
+        self.inputs = _specs(self.sessions[0].get_inputs())
+        self.outputs = _specs(self.sessions[0].get_outputs())
+
+    def run(self, instance: int, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
+        names = outputs or [o.name for o in self.outputs]
+        return self.sessions[instance].run(names, feeds)  # type: ignore[no-any-return]
+
+
+class G2PRuntime:
+    """The g2p kind: encoder + decoder-step graphs and the two vocabularies."""
+
+    def __init__(self, config: ModelConfig, providers: list[str]) -> None:
+        d = config.directory
+        for f in ("encoder.onnx", "decoder.onnx", GRAPHEMES_FILE, PHONEMES_FILE):
+            if not (d / f).exists():
+                raise RepositoryError(f"model '{config.name}': missing {d / f}")
+        self.config = config
+        try:
+            options = session_options(config.intra_op_threads, config.inter_op_threads, config.optimization)
+            self.instances = [OnnxSeq2Seq(d, options, providers) for _ in range(max(1, config.instances))]
+            self.graphemes = Vocabulary.load(d / GRAPHEMES_FILE)
+            self.phonemes = Vocabulary.load(d / PHONEMES_FILE)
+        except Exception as e:
+            raise RepositoryError(f"model '{config.name}': cannot load {d}: {e}") from e
+        self.provider = self.instances[0].providers[0]

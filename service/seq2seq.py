@@ -1,0 +1,67 @@
+"""The exported encoder and one-step decoder graphs on onnxruntime, as a `StepModel`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+__all__ = ["DECODER_FILE", "ENCODER_FILE", "GRAPHEMES_FILE", "PHONEMES_FILE", "OnnxSeq2Seq", "session_options"]
+
+ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
+GRAPHEMES_FILE, PHONEMES_FILE = "graphemes.json", "phonemes.json"
+STEP_INPUTS = (
+    "tokens",
+    "positions",
+    "past_keys",
+    "past_values",
+    "self_mask",
+    "cross_keys",
+    "cross_values",
+    "memory_mask",
+)
+STEP_OUTPUTS = ("log_probs", "present_keys", "present_values", "cross_attention")
+
+
+def session_options(
+    intra_op_threads: int = 1, inter_op_threads: int = 1, optimization: str = "all"
+) -> ort.SessionOptions:
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.inter_op_num_threads = inter_op_threads
+    opts.graph_optimization_level = levels[optimization]
+    opts.log_severity_level = 3
+    return opts
+
+
+class OnnxSeq2Seq:
+    """encoder.onnx + decoder.onnx of a model version directory."""
+
+    def __init__(
+        self,
+        directory: Path,
+        options: ort.SessionOptions | None = None,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+    ) -> None:
+        options = options or session_options()
+        self.encoder = ort.InferenceSession(str(Path(directory) / ENCODER_FILE), options, providers=list(providers))
+        self.decoder = ort.InferenceSession(str(Path(directory) / DECODER_FILE), options, providers=list(providers))
+        self.providers = self.encoder.get_providers()
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ck, cv = self.encoder.run(
+            ["cross_keys", "cross_values"], {"input_ids": input_ids, "attention_mask": attention_mask}
+        )
+        return ck, cv
+
+    def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        lp, pk, pv, att = self.decoder.run(list(STEP_OUTPUTS), dict(zip(STEP_INPUTS, arrays, strict=True)))
+        return lp, pk, pv, att

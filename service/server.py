@@ -1,0 +1,455 @@
+"""The gRPC server: the v2 inference service, health, reflection, auth, metrics, drain.
+
+Each RPC method decodes the protobuf request, awaits the protocol-free model (service/models.py)
+and encodes the answer. Models are loaded before the port opens; a model that fails to load
+stops the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service import __version__, protocol
+from service.codec import decode_tensor, fill_output
+from service.config import ServerSettings
+from service.errors import InvalidArgument, NotFound, ServingError, Unavailable
+from service.metrics import Metrics, seq_len_bucket
+from service.models import G2PModel, ModelStats, TensorModel
+from service.repository import RepositoryError, load_repository
+from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+
+__all__ = ["Server", "load_models", "serve"]
+
+log = logging.getLogger("qkv.server")
+access = logging.getLogger("qkv.access")
+
+Model = TensorModel | G2PModel
+HEALTH_SERVICE = "grpc.health.v1.Health"
+MAX_ELEMENTS = 1 << 24
+
+
+def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
+    providers = choose_providers(settings.device)
+    models: dict[str, Model] = {}
+    for config in load_repository(settings.model_repository):
+        observer = metrics.observer(config.name)
+        if config.kind == "g2p":
+            models[config.name] = G2PModel(config, G2PRuntime(config, providers), observer)
+        else:
+            models[config.name] = TensorModel(config, TensorRuntime(config, providers), observer)
+        m = models[config.name]
+        metrics.model_info.labels(m.name, m.version, m.provider).set(1)
+    return models
+
+
+def _parameters(params: Any) -> dict[str, Any]:
+    out = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        if which is not None:
+            out[key] = getattr(p, which)
+    return out
+
+
+def _duration(count: int, ns: int) -> Any:
+    return protocol.StatisticDuration(count=count, ns=ns)
+
+
+class InferenceService:
+    """inference.GRPCInferenceService over the loaded models."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.models = server.models
+
+    def _model(self, name: str, version: str = "") -> Model:
+        model = self.models.get(name)
+        if model is None:
+            raise NotFound(f"unknown model '{name}' (served: {', '.join(sorted(self.models))})")
+        if version and version != model.version:
+            raise NotFound(f"model '{name}' has no version '{version}' (served: {model.version})")
+        return model
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return protocol.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return protocol.ServerReadyResponse(ready=not self.server.draining)
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._model(request.name, request.version)
+        except NotFound:
+            return protocol.ModelReadyResponse(ready=False)
+        return protocol.ModelReadyResponse(ready=not self.server.draining)
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return protocol.ServerMetadataResponse(
+            name="qkv", version=__version__, extensions=["model_configuration", "statistics", "model_repository"]
+        )
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        m = await self._call(context, self._model, request.name, request.version)
+        tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
+        return protocol.ModelMetadataResponse(
+            name=m.name,
+            versions=[m.version],
+            platform=f"onnxruntime_onnx:{m.provider}" if m.kind == "tensor" else f"qkv_g2p:{m.provider}",
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.inputs],
+            outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.outputs],
+        )
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        m = await self._call(context, self._model, request.name, request.version)
+        batched = m.max_batch_size > 0
+
+        def dims(shape: tuple[int, ...]) -> list[int]:
+            return list(shape[1:]) or [1] if batched else list(shape)
+
+        types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
+        types["BYTES"] = int(protocol.DataType.TYPE_STRING)
+        b = m.config.batching
+        config = protocol.ModelConfig(
+            name=m.name,
+            platform="onnxruntime_onnx",
+            backend="onnxruntime",
+            max_batch_size=m.max_batch_size,
+            input=[protocol.ModelInput(name=s.name, data_type=types[s.datatype], dims=dims(s.shape)) for s in m.inputs],
+            output=[
+                protocol.ModelOutput(name=s.name, data_type=types[s.datatype], dims=dims(s.shape)) for s in m.outputs
+            ],
+            instance_group=[
+                protocol.ModelInstanceGroup(
+                    name=m.name,
+                    count=max(1, m.config.instances),
+                    kind=protocol.ModelInstanceGroup.KIND_GPU
+                    if "CUDA" in m.provider
+                    else protocol.ModelInstanceGroup.KIND_CPU,
+                )
+            ],
+        )
+        if batched and b.enabled:
+            config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
+        config.parameters["provider"].string_value = m.provider
+        config.parameters["kind"].string_value = m.kind
+        return protocol.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.name:
+            chosen = [await self._call(context, self._model, request.name, request.version)]
+        else:
+            chosen = list(self.models.values())
+        response = protocol.ModelStatisticsResponse()
+        for m in chosen:
+            s: ModelStats = m.stats
+            stats = response.model_stats.add(
+                name=m.name,
+                version=m.version,
+                last_inference=s.last_inference_ms,
+                inference_count=s.inference_count,
+                execution_count=s.execution_count,
+            )
+            i = stats.inference_stats
+            i.success.CopyFrom(_duration(s.success_count, s.success_ns))
+            i.fail.CopyFrom(_duration(s.fail_count, s.fail_ns))
+            i.queue.CopyFrom(_duration(s.success_count, s.queue_ns))
+            i.compute_infer.CopyFrom(_duration(s.execution_count, s.compute_ns))
+            for size, (count, ns) in sorted(s.batches.items()):
+                stats.batch_stats.add(batch_size=size, compute_infer=_duration(count, ns))
+        return response
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        response = protocol.RepositoryIndexResponse()
+        for m in self.models.values():
+            response.models.add(
+                name=m.name, version=m.version, state="READY" if not self.server.draining else "UNAVAILABLE"
+            )
+        return response
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ServingError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
+        server = self.server
+        metrics = server.metrics
+        model: Model | None = None
+        try:
+            model = self._model(request.model_name, request.model_version)
+            metrics.inflight.labels(model.name).inc()
+            if server.draining:
+                raise Unavailable("the server is shutting down")
+            server.active += 1
+            try:
+                inputs = self._decode(request)
+                remaining = context.time_remaining()
+                deadline = time.monotonic() + remaining if remaining is not None else None
+                outputs = [o.name for o in request.outputs]
+                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline)
+            finally:
+                server.active -= 1
+            seq_len = result.seq_len
+            metrics.tokens.labels(model.name, "input").inc(result.tokens_in)
+            metrics.tokens.labels(model.name, "output").inc(result.tokens_out)
+            response = protocol.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+            for name, array in result.outputs.items():
+                response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
+            outcome = response
+        except ServingError as e:
+            code = e.code
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(e.retry_after_ms)),))
+            outcome = e
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            if model is not None:
+                metrics.inflight.labels(model.name).dec()
+                model_name = model.name
+                stats = model.stats
+                if code == "OK":
+                    stats.success_count += 1
+                    stats.success_ns += int(seconds * 1e9)
+                else:
+                    stats.fail_count += 1
+                    stats.fail_ns += int(seconds * 1e9)
+            metrics.requests.labels(model_name, code).inc()
+            if code == "OK":
+                metrics.request_duration.labels(model_name, seq_len_bucket(seq_len)).observe(seconds)
+            if server.settings.access_log:
+                access.info(
+                    json.dumps(
+                        {
+                            "model": model_name,
+                            "seq_len": seq_len,
+                            "code": code,
+                            "ms": round(seconds * 1e3, 3),
+                            "id": request.id,
+                        }
+                    )
+                )
+        if isinstance(outcome, ServingError):
+            await context.abort(grpc.StatusCode[outcome.code], outcome.message)
+        return outcome
+
+    def _decode(self, request: Any) -> dict[str, np.ndarray]:
+        raw = list(request.raw_input_contents)
+        if raw and len(raw) != len(request.inputs):
+            raise InvalidArgument(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
+        inputs: dict[str, np.ndarray] = {}
+        for k, tensor in enumerate(request.inputs):
+            if tensor.name in inputs:
+                raise InvalidArgument(f"input '{tensor.name}' given twice")
+            inputs[tensor.name] = decode_tensor(tensor, raw[k] if raw else None, MAX_ELEMENTS)
+        return inputs
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = [t.encode() for t in tokens]
+
+    def _allowed(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                offered = value[len("Bearer ") :].encode()
+                # compare against every token, so the time taken says nothing about which matched
+                return any([hmac.compare_digest(offered, t) for t in self.tokens])
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if not details.method.startswith(f"/{protocol.SERVICE_NAME}/") or self._allowed(details.invocation_metadata):
+            return await continuation(details)
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid bearer token (send metadata 'authorization: Bearer TOKEN')",
+            )
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
+
+
+def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
+    if not s.tls_cert and not s.tls_key:
+        if s.tls_client_ca:
+            raise SystemExit("qkv: --tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (s.tls_cert and s.tls_key):
+        raise SystemExit("qkv: --tls-cert and --tls-key go together")
+    cert, key = _read(s.tls_cert, "TLS certificate"), _read(s.tls_key, "TLS key")
+    if b"CERTIFICATE" not in cert:
+        raise SystemExit(f"qkv: {s.tls_cert} holds no PEM certificate")
+    if b"PRIVATE KEY" not in key:
+        raise SystemExit(f"qkv: {s.tls_key} holds no PEM private key")
+    _check_key_matches(cert, key, s)
+    ca = _read(s.tls_client_ca, "client CA") if s.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:
+    """Refuse a key that does not belong to the certificate (gRPC would only fail at handshake)."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+    except ImportError:  # optional: without it, a mismatch shows at the first handshake
+        return
+    try:
+        public = x509.load_pem_x509_certificate(cert).public_key()
+        private = serialization.load_pem_private_key(key, password=None)
+    except ValueError as e:
+        raise SystemExit(f"qkv: cannot parse {s.tls_cert} / {s.tls_key}: {e}") from None
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if public.public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
+        raise SystemExit(f"qkv: {s.tls_key} is not the private key of {s.tls_cert}")
+
+
+class Server:
+    """Models + gRPC server + metrics endpoint, started and drained as one."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.models = load_models(settings, self.metrics)
+        self.draining = False
+        self.active = 0  # requests inside a model right now
+        self.health = health.aio.HealthServicer()
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._grpc: grpc.aio.Server | None = None
+
+    def _options(self) -> list[tuple[str, Any]]:
+        s = self.settings
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+            ("grpc.keepalive_time_ms", 60_000),  # find dead peers
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.max_connection_idle_ms", 600_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        if s.max_connection_age > 0:
+            options += [
+                ("grpc.max_connection_age_ms", int(s.max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(s.grace_period * 1000)),
+            ]
+        return options
+
+    async def start(self) -> None:
+        s = self.settings
+        credentials = _credentials(s)
+        interceptors = []
+        if s.auth_token_file:
+            tokens = [t.strip() for t in _read(s.auth_token_file, "token file").decode().splitlines() if t.strip()]
+            if not tokens:
+                raise SystemExit(f"qkv: {s.auth_token_file} holds no token")
+            interceptors.append(TokenAuth(tokens))
+        server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
+        server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self)),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
+        )
+        address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
+        self.grpc_port = (
+            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        )
+        for m in self.models.values():
+            (m.batcher if isinstance(m, TensorModel) else m.scheduler).start()
+        await server.start()
+        if s.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(s.metrics_host or s.host, s.metrics_port)
+        for name in ["", *self.models]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        """Stop taking work, let admitted requests finish (up to the grace period), stop."""
+        if self.draining:
+            return
+        self.draining = True
+        await self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING at once
+        deadline = time.monotonic() + self.settings.grace_period
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.active:
+            log.warning("grace period over with %d requests still running", self.active)
+        if self._grpc is not None:
+            await self._grpc.stop(max(0.0, deadline - time.monotonic()))
+        for m in self.models.values():
+            await (m.batcher if isinstance(m, TensorModel) else m.scheduler).close()
+
+    async def wait(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+
+async def _serve(settings: ServerSettings) -> int:
+    server = Server(settings)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.models.values())
+    log.info("settings: %s", settings.summary())
+    print(
+        f"qkv {__version__} serving {models} on grpc {settings.host}:{server.grpc_port} metrics "
+        f"{settings.metrics_host or settings.host}:{server.metrics_port}",
+        flush=True,
+    )
+    await stop.wait()
+    log.info("signal received: draining (grace %.1f s)", settings.grace_period)
+    await server.drain()
+    log.info("stopped")
+    return 0
+
+
+def serve(settings: ServerSettings) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.access_log:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+        access.propagate = False
+        access.setLevel(logging.INFO)
+    try:
+        return asyncio.run(_serve(settings))
+    except RepositoryError as e:
+        print(f"qkv: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,38 @@
+"""The committed service/protocol/inference.binpb is what proto/*.proto compiles to."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from google.protobuf import descriptor_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generate_module() -> ModuleType:
+    # proto/ is not a package: load the script itself, so the test compiles exactly as it does.
+    spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "proto" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _read_set(path: Path) -> descriptor_pb2.FileDescriptorSet:
+    return descriptor_pb2.FileDescriptorSet.FromString(path.read_bytes())
+
+
+def test_committed_descriptor_set_is_up_to_date(tmp_path: Path) -> None:
+    generate = _generate_module()
+    fresh = generate.compile_descriptor_set(tmp_path / "inference.binpb")
+    committed = ROOT / "service" / "protocol" / "inference.binpb"
+    assert committed == generate.DESCRIPTOR_SET
+    assert _read_set(fresh) == _read_set(committed), "stale descriptor set: run .venv/bin/python proto/generate.py"
+
+
+def test_descriptor_set_holds_only_our_files_without_source_info() -> None:
+    files = _read_set(ROOT / "service" / "protocol" / "inference.binpb").file
+    assert [file.name for file in files] == ["model_config.proto", "grpc_service.proto"]
+    assert all(file.package == "inference" and not file.HasField("source_code_info") for file in files)
