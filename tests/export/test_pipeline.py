@@ -1,0 +1,63 @@
+"""End to end on a tiny model: train a few steps, export, parity-check, evaluate both runtimes."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from export import data
+from export.checkpoint import load_checkpoint
+from export.evaluate import evaluate_checkpoint, evaluate_repository
+from export.onnx_export import write_repository
+from export.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    config = TrainConfig(out=str(out), d_model=32, h=2, n_encoder=1, n_decoder=1, d_ff=64, max_tokens=2000,
+                         epochs=2, train_words=2000, dev_words=100, warmup=20, decay_start=40, lr=3e-3)
+    return train(config)
+
+
+def test_training_writes_resumable_checkpoints(tiny_checkpoint: Path) -> None:
+    state = load_checkpoint(tiny_checkpoint.parent / "last.pt").state
+    assert state["epoch"] == 2 and state["step"] > 0
+    assert len(state["history"]) == 2
+    assert state["history"][1]["loss"] < state["history"][0]["loss"]  # it learns
+    more = TrainConfig(out=str(tiny_checkpoint.parent), d_model=32, h=2, n_encoder=1, n_decoder=1, d_ff=64,
+                       max_tokens=2000, epochs=3, train_words=2000, dev_words=100, warmup=20, decay_start=40)
+    train(more, resume=True)
+    resumed = load_checkpoint(tiny_checkpoint.parent / "last.pt").state
+    assert resumed["epoch"] == 3 and resumed["step"] > state["step"]
+
+
+def test_export_parity_and_same_figures_from_both_runtimes(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    loaded = load_checkpoint(tiny_checkpoint, max_len=128)
+    words = random.Random(0).sample(data.read_split("test"), 200)
+    config = write_repository(loaded, tmp_path, words)
+    parity = config["model_card"]["parity"]
+    assert parity["max_abs_diff"] <= 1e-4
+    assert parity["greedy_identical"] == 200
+    card = json.loads((tmp_path / "g2p" / "config.json").read_text())["model_card"]
+    assert set(card["sha256"]) == {"encoder.onnx", "decoder.onnx", "graphemes.json", "phonemes.json"}
+    assert (tmp_path / "g2p_encoder" / "1" / "model.onnx").exists()
+    onnx = evaluate_repository(tmp_path / "g2p", limit=150)
+    torch_ = evaluate_checkpoint(tiny_checkpoint, limit=150)
+    for key in ("wer", "per", "wer_stress_free", "per_stress_free"):
+        assert onnx[key] == pytest.approx(torch_[key]), key
+    assert onnx["words"] == 150
+
+
+def test_beam_search_is_at_least_as_likely_as_greedy(tiny_checkpoint: Path) -> None:
+    from export.checkpoint import TorchStepModel
+    from service.generation import beam_search, greedy_decode
+
+    loaded = load_checkpoint(tiny_checkpoint)
+    model = TorchStepModel(loaded.model)
+    sources = [loaded.graphemes.encode(w) for w in data.read_split("dev")[:40]]
+    greedy = greedy_decode(model, sources, 30)
+    beams = beam_search(model, sources, 4, 30)
+    better = sum(b.score >= g.score / max(1, len(g.tokens) - 1) - 1e-6 for b, g in zip(beams, greedy, strict=True))
+    assert better == len(sources)
