@@ -148,7 +148,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
             step += 1
             n_tok = int((tgt_t[:, 1:] != 0).sum() + (src_t != 0).sum())
             tokens += n_tok
-            loss_sum += float(loss) * n_tok
+            loss_sum += float(loss.detach()) * n_tok
             if i % 20 == 0 or i == len(batches) - 1:
                 spent = time.monotonic() - t0
                 rate = tokens / max(spent, 1e-9)
