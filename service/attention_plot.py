@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["render", "main"]
+__all__ = ["main", "render"]
 
 
 def render(word: str, phonemes: list[str], attention: np.ndarray, out: Path) -> None:
@@ -35,8 +35,11 @@ def render(word: str, phonemes: list[str], attention: np.ndarray, out: Path) -> 
     plt.close(fig)
 
 
-def main(argv: list[str], add_client_arguments: Callable[[argparse.ArgumentParser], None],
-         make_client: Callable[[argparse.Namespace], Any]) -> int:
+def main(
+    argv: list[str],
+    add_client_arguments: Callable[[argparse.ArgumentParser], None],
+    make_client: Callable[[argparse.Namespace], Any],
+) -> int:
     import grpc
 
     from service.client import g2p_outputs, g2p_request

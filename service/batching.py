@@ -113,7 +113,7 @@ class _Admission:
         if deadline is not None and self.tokens_per_second > 0:
             wait = (self.queued_tokens + tokens) / self.tokens_per_second
             if time.monotonic() + wait > deadline:
-                raise ResourceExhausted(
+                raise DeadlineExceeded(
                     f"model '{self.name}': the predicted wait of {wait * 1e3:.0f} ms exceeds the request's deadline",
                     retry_after_ms=self.predicted_wait_ms(tokens),
                 )

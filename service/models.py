@@ -236,8 +236,17 @@ class TensorModel:
         entry[1] += ns
 
 
-# Punctuation stripped around words; a character left inside a word must be in the grapheme vocabulary.
-_STRIP = string.punctuation + "“”‘’«»…–—"
+# Punctuation stripped around words, apostrophes kept ('bout, james'); a character left inside a word
+# must be in the grapheme vocabulary.
+_STRIP = string.punctuation.replace("'", "") + "“”«»…–—"
+
+
+def normalize_word(token: str) -> str:
+    """Lowercase, punctuation around dropped; an abbreviation keeps its final period (c.o.d.)."""
+    core = token.lower().strip(_STRIP)
+    if "." in core and token.rstrip(_STRIP.replace(".", "")).endswith("."):
+        core += "."
+    return core
 
 
 class G2PModel:
@@ -276,7 +285,7 @@ class G2PModel:
                 s = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidArgument(f"input 'TEXT' element {i} is not valid UTF-8 (byte {e.start})") from None
-            words = [w for w in (t.strip(_STRIP) for t in s.lower().split()) if w]
+            words = [w for w in map(normalize_word, s.split()) if w]
             if not words:
                 raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
             for w in words:

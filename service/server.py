@@ -40,6 +40,7 @@ access = logging.getLogger("qkv.access")
 Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
+QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
@@ -190,6 +191,7 @@ class InferenceService:
         start = time.perf_counter()
         model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
         server = self.server
+        server.last_arrival = time.monotonic()
         metrics = server.metrics
         model: Model | None = None
         try:
@@ -345,6 +347,7 @@ class Server:
         self.models = load_models(settings, self.metrics)
         self.draining = False
         self.active = 0  # requests inside a model right now
+        self.last_arrival = 0.0  # monotonic time of the latest inference request
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -403,7 +406,9 @@ class Server:
         self.draining = True
         await self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING at once
         deadline = time.monotonic() + self.settings.grace_period
-        while self.active and time.monotonic() < deadline:
+        # Wait for admitted work, and for clients to stop sending: a call that arrives while the
+        # transport shuts down would be cancelled instead of answered UNAVAILABLE.
+        while time.monotonic() < deadline and (self.active or time.monotonic() - self.last_arrival < QUIET_SECONDS):
             await asyncio.sleep(0.02)
         if self.active:
             log.warning("grace period over with %d requests still running", self.active)

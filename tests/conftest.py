@@ -42,8 +42,9 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, 
     if "--model-repository" not in args:
         cmd += ["--model-repository", str(MODELS)]
     out = log.open("w")
-    proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [*cmd, *args], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, **(env or {})}
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = READY.search(log.read_text())

@@ -16,8 +16,21 @@ from export.train import TrainConfig, train
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
-    config = TrainConfig(out=str(out), d_model=32, h=2, n_encoder=1, n_decoder=1, d_ff=64, max_tokens=2000,
-                         epochs=2, train_words=2000, dev_words=100, warmup=20, decay_start=40, lr=3e-3)
+    config = TrainConfig(
+        out=str(out),
+        d_model=32,
+        h=2,
+        n_encoder=1,
+        n_decoder=1,
+        d_ff=64,
+        max_tokens=2000,
+        epochs=2,
+        train_words=2000,
+        dev_words=100,
+        warmup=20,
+        decay_start=40,
+        lr=3e-3,
+    )
     return train(config)
 
 
@@ -26,8 +39,20 @@ def test_training_writes_resumable_checkpoints(tiny_checkpoint: Path) -> None:
     assert state["epoch"] == 2 and state["step"] > 0
     assert len(state["history"]) == 2
     assert state["history"][1]["loss"] < state["history"][0]["loss"]  # it learns
-    more = TrainConfig(out=str(tiny_checkpoint.parent), d_model=32, h=2, n_encoder=1, n_decoder=1, d_ff=64,
-                       max_tokens=2000, epochs=3, train_words=2000, dev_words=100, warmup=20, decay_start=40)
+    more = TrainConfig(
+        out=str(tiny_checkpoint.parent),
+        d_model=32,
+        h=2,
+        n_encoder=1,
+        n_decoder=1,
+        d_ff=64,
+        max_tokens=2000,
+        epochs=3,
+        train_words=2000,
+        dev_words=100,
+        warmup=20,
+        decay_start=40,
+    )
     train(more, resume=True)
     resumed = load_checkpoint(tiny_checkpoint.parent / "last.pt").state
     assert resumed["epoch"] == 3 and resumed["step"] > state["step"]

@@ -101,8 +101,11 @@ def test_multi_word_elements_join_with_bars(client: g.InferenceServerClient) -> 
 
 
 def test_attention_output_shape_and_rows_sum_to_one(client: g.InferenceServerClient) -> None:
-    res = client.infer("g2p", [text_input(["attention", "cat"])],
-                       outputs=[g.InferRequestedOutput("PHONEMES"), g.InferRequestedOutput("ATTENTION")])
+    res = client.infer(
+        "g2p",
+        [text_input(["attention", "cat"])],
+        outputs=[g.InferRequestedOutput("PHONEMES"), g.InferRequestedOutput("ATTENTION")],
+    )
     att = res.as_numpy("ATTENTION")
     phonemes = [p.decode().split() for p in res.as_numpy("PHONEMES")]
     assert att.dtype == np.float32 and att.shape == (2, max(map(len, phonemes)), len("attention"))
@@ -150,8 +153,9 @@ def test_health_overall_and_per_model_and_reflection(server: RunningServer) -> N
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         req = reflection_pb2.ServerReflectionRequest(list_services="")
-        names = {s.name for r in refl.ServerReflectionInfo(iter([req]), timeout=5)
-                 for s in r.list_services_response.service}
+        names = {
+            s.name for r in refl.ServerReflectionInfo(iter([req]), timeout=5) for s in r.list_services_response.service
+        }
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
         req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService")
         files = [r.file_descriptor_response for r in refl.ServerReflectionInfo(iter([req]), timeout=5)]
@@ -165,19 +169,42 @@ ERRORS = [
     ("empty text", lambda c: c.infer("g2p", [text_input(["  ,  "])]), "INVALID_ARGUMENT", "empty"),
     ("unspellable", lambda c: c.infer("g2p", [text_input(["naïve"])]), "INVALID_ARGUMENT", "'ï'"),
     ("too long", lambda c: c.infer("g2p", [text_input(["a" * 40])]), "INVALID_ARGUMENT", "limit is 32"),
-    ("unknown output", lambda c: c.infer("g2p", [text_input(["a"])], outputs=[g.InferRequestedOutput("X")]),
-     "INVALID_ARGUMENT", "no output 'X'"),
-    ("missing input", lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((1, 3), np.int64))[:1]),
-     "INVALID_ARGUMENT", "missing input 'attention_mask'"),
-    ("shape mismatch", lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((1, 3), np.int64),
-                                                                       np.ones((1, 4), np.int64))),
-     "INVALID_ARGUMENT", "sequence length"),
-    ("rank", lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((3,), np.int64))), "INVALID_ARGUMENT",
-     "dimensions"),
-    ("encoder dtype", lambda c: c.infer("g2p_encoder", [_fp32("input_ids", (1, 3)), _fp32("attention_mask", (1, 3))]),
-     "INVALID_ARGUMENT", "expects INT64"),
-    ("beam", lambda c: c.infer("g2p", [text_input(["a"])], parameters={"beam_size": 99}), "INVALID_ARGUMENT",
-     "beam_size"),
+    (
+        "unknown output",
+        lambda c: c.infer("g2p", [text_input(["a"])], outputs=[g.InferRequestedOutput("X")]),
+        "INVALID_ARGUMENT",
+        "no output 'X'",
+    ),
+    (
+        "missing input",
+        lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((1, 3), np.int64))[:1]),
+        "INVALID_ARGUMENT",
+        "missing input 'attention_mask'",
+    ),
+    (
+        "shape mismatch",
+        lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((1, 3), np.int64), np.ones((1, 4), np.int64))),
+        "INVALID_ARGUMENT",
+        "sequence length",
+    ),
+    (
+        "rank",
+        lambda c: c.infer("g2p_encoder", encoder_inputs(np.ones((3,), np.int64))),
+        "INVALID_ARGUMENT",
+        "dimensions",
+    ),
+    (
+        "encoder dtype",
+        lambda c: c.infer("g2p_encoder", [_fp32("input_ids", (1, 3)), _fp32("attention_mask", (1, 3))]),
+        "INVALID_ARGUMENT",
+        "expects INT64",
+    ),
+    (
+        "beam",
+        lambda c: c.infer("g2p", [text_input(["a"])], parameters={"beam_size": 99}),
+        "INVALID_ARGUMENT",
+        "beam_size",
+    ),
 ]
 
 
@@ -206,3 +233,14 @@ def test_raw_contents_of_the_wrong_size(server: RunningServer) -> None:
         protocol.Stub(ch).ModelInfer(req, timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "attention_mask" in e.value.details() and "31 bytes" in e.value.details()
+
+
+def test_text_normalisation() -> None:
+    from service.models import normalize_word
+
+    assert normalize_word("Hello,") == "hello"
+    assert normalize_word("(world)!") == "world"
+    assert normalize_word("James'") == "james'"
+    assert normalize_word("c.o.d.") == "c.o.d."
+    assert normalize_word("end.") == "end"
+    assert normalize_word("--") == ""

@@ -1,0 +1,97 @@
+"""The shipped Python client (sync, asyncio, retry) and the qkv commands against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service.client import AsyncClient, Client, health_check
+from tests.conftest import ROOT, RunningServer, start_server, stop_server
+
+
+def qkv(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+
+
+def test_sync_and_async_clients_agree(server: RunningServer) -> None:
+    with Client(server.url, timeout=10) as c:
+        sync = c.g2p(["hello", "world"])
+        assert c.ready()
+
+    async def run() -> list[str]:
+        async with AsyncClient(server.url, timeout=10) as c:
+            return await c.g2p(["hello", "world"])
+
+    assert asyncio.run(run()) == sync and len(sync) == 2
+
+
+def test_deadline_is_enforced(server: RunningServer) -> None:
+    with Client(server.url) as c, pytest.raises(grpc.RpcError) as e:
+        c.g2p(["supercalifragilistic"] * 60, timeout=0.001)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_client_retries_until_a_restarting_server_is_back(tmp_path: Path) -> None:
+    """UNAVAILABLE (nothing listening yet) is retried with backoff within the deadline."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    holder: list[RunningServer] = []
+
+    def start_late() -> None:
+        time.sleep(1.0)
+        holder.append(start_server(["--grpc-port", str(port)], tmp_path / "log"))
+
+    t = threading.Thread(target=start_late)
+    t.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=40) as c:
+            assert len(c.g2p(["hello"])) == 1
+    finally:
+        t.join()
+        for s in holder:
+            stop_server(s)
+
+
+def test_qkv_infer_health_and_attention(server: RunningServer, tmp_path: Path) -> None:
+    out = qkv("infer", "--url", server.url, "--model", "g2p", "hello", "world")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["hello", "world"]
+    js = qkv("infer", "--url", server.url, "--json", "hello world")
+    assert json.loads(js.stdout)[0]["phonemes"].count(" | ") == 1
+    bad = qkv("infer", "--url", server.url, "naïve")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    assert qkv("health", "--url", server.url).stdout.strip() == "SERVING"
+    assert qkv("health", "--url", server.url, "--service", "g2p").returncode == 0
+    assert qkv("health", "--url", server.url, "--service", "nope").returncode == 1
+    png = tmp_path / "attention.png"
+    att = qkv("attention", "attention", "--url", server.url, "--out", str(png))
+    assert att.returncode == 0, att.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert health_check(server.url) == "SERVING"
+
+
+def test_serve_flags_and_environment(tmp_path: Path) -> None:
+    s = start_server([], tmp_path / "log", env={"QKV_GRACE_PERIOD": "3.5", "QKV_ACCESS_LOG": "1"})
+    try:
+        with Client(s.url) as c:
+            c.g2p(["hello"])
+    finally:
+        stop_server(s)
+    text = s.output()
+    assert "grace_period=3.5" in text and "access_log=True" in text
+    line = next(json.loads(x) for x in text.splitlines() if x.startswith("{"))
+    assert line["model"] == "g2p" and line["code"] == "OK" and line["seq_len"] == 5

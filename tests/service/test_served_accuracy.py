@@ -1,0 +1,46 @@
+"""Serving loses no accuracy: the served g2p answers equal offline decoding of the same graphs."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import tritonclient.grpc as g
+
+from export import data
+from export.evaluate import predict
+from service.models import normalize_word
+from service.seq2seq import OnnxSeq2Seq, session_options
+from service.vocab import Vocabulary
+from tests.conftest import MODELS, RunningServer
+
+
+def test_served_predictions_equal_offline_evaluation_on_2000_test_words(server: RunningServer) -> None:
+    # Words the server's text normalisation leaves alone (all but a single-letter abbreviation or two).
+    words = random.Random(7).sample([w for w in data.read_split("test") if normalize_word(w) == w], 2000)
+    version = MODELS / "g2p" / "1"
+    offline = predict(
+        OnnxSeq2Seq(version, session_options(2)),
+        Vocabulary.load(version / "graphemes.json"),
+        Vocabulary.load(version / "phonemes.json"),
+        words,
+    )
+    client = g.InferenceServerClient(server.url)
+
+    def call(chunk: list[str]) -> list[str]:
+        x = g.InferInput("TEXT", [len(chunk)], "BYTES")
+        x.set_data_from_numpy(np.array([w.encode() for w in chunk], dtype=object))
+        return [p.decode() for p in client.infer("g2p", [x]).as_numpy("PHONEMES")]
+
+    # Requests of 1 to 16 words, 8 in flight: they share continuous batches on the server.
+    rng = random.Random(1)
+    chunks, i = [], 0
+    while i < len(words):
+        n = rng.randint(1, 16)
+        chunks.append(words[i : i + n])
+        i += n
+    with ThreadPoolExecutor(8) as pool:
+        served = [p for part in pool.map(call, chunks) for p in part]
+    mismatches = [(w, s, " ".join(o)) for w, s, o in zip(words, served, offline, strict=True) if s != " ".join(o)]
+    assert not mismatches, mismatches[:5]
