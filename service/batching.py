@@ -66,12 +66,19 @@ class _NullObserver:
     def dropped(self, reason: str) -> None: ...
 
 
-def select_batch(queue: Sequence[WorkItem], max_rows: int, token_budget: int, length_aware: bool = True) -> list[int]:
+def select_batch(
+    queue: Sequence[WorkItem],
+    max_rows: int,
+    token_budget: int,
+    length_aware: bool = True,
+    max_padding: float = 1.0,
+) -> list[int]:
     """Indices (into `queue`, oldest first) of the next batch.
 
     The oldest request always goes, so nothing starves. Length-aware: the others are taken in
-    order of how close their length is to its length (log ratio), while rows and the padded
-    cost (rows x longest) fit. FIFO: taken in arrival order, padded to the longest.
+    order of how close their length is to its length (log ratio), while the rows, the padded
+    cost (rows x longest) and the padded share of the batch stay within bounds. FIFO: taken in
+    arrival order, padded to the longest, until the first that does not fit.
     """
     if not queue:
         return []
@@ -80,16 +87,20 @@ def select_batch(queue: Sequence[WorkItem], max_rows: int, token_budget: int, le
     if length_aware:
         base = math.log(max(anchor.length, 1))
         order.sort(key=lambda i: (abs(math.log(max(queue[i].length, 1)) - base), i))
-    chosen, rows, longest = [0], anchor.rows, anchor.length
+    chosen, rows, longest, real = [0], anchor.rows, anchor.length, anchor.tokens
     for i in order:
         item = queue[i]
-        new_rows, new_longest = rows + item.rows, max(longest, item.length)
-        if new_rows > max_rows or new_rows * new_longest > token_budget:
+        new_rows, new_longest, new_real = rows + item.rows, max(longest, item.length), real + item.tokens
+        padded = new_rows * new_longest
+        fits = new_rows <= max_rows and padded <= token_budget
+        if length_aware and fits:
+            fits = 1 - new_real / padded <= max_padding
+        if not fits:
             if length_aware:
                 continue
             break
         chosen.append(i)
-        rows, longest = new_rows, new_longest
+        rows, longest, real = new_rows, new_longest, new_real
     return sorted(chosen)
 
 
@@ -172,6 +183,7 @@ class DynamicBatcher:
         self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(self.instances)]
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
+        self._busy = 0  # instances computing right now
         self.padded_length = padded_length or (lambda items: max(i.length for i in items))
 
     def start(self) -> None:
@@ -207,8 +219,12 @@ class DynamicBatcher:
             self._take(gone)
 
     def _ready(self) -> float:
-        """0 when a batch should go now, else the seconds left of the oldest request's delay."""
-        if not self.config.enabled:
+        """0 when a batch should go now, else the seconds left of the oldest request's delay.
+
+        A partial batch waits for company only while another instance is computing: then more
+        requests are on their way. On an idle server it goes at once (no added latency).
+        """
+        if not self.config.enabled or self._busy == 0:
             return 0.0
         rows = sum(x.rows for x in self.queue)
         longest = max(x.length for x in self.queue)
@@ -232,13 +248,14 @@ class DynamicBatcher:
                 continue
             c = self.config
             max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
-            items = self._take(select_batch(self.queue, max_rows, c.token_budget, c.length_aware))
+            items = self._take(select_batch(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
             if self.queue:
                 self._changed.set()  # let an idle instance look at what is left
             start = time.monotonic()
             for x in items:
                 x.started = start
                 self.observer.waited(start - x.arrived)
+            self._busy += 1
             try:
                 results = await loop.run_in_executor(self._executors[instance], self.run_batch, items, instance)
             except ServingError as e:
@@ -246,6 +263,8 @@ class DynamicBatcher:
             except Exception as e:  # a runtime failure fails this batch only
                 log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
                 results = [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
+            finally:
+                self._busy -= 1
             seconds = time.monotonic() - start
             real = sum(x.tokens for x in items)
             padded = sum(x.rows for x in items) * self.padded_length(items)

@@ -1,9 +1,404 @@
-"""`qkv bench`: load test against a server (filled in by the batching work)."""
+"""`qkv bench`: load tests over the v2 protocol, with the raw onnxruntime ceiling in the same run.
+
+    qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
+    qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
+
+Every served figure is a ratio to a figure measured in the same run on the same machine (the
+in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
+transfer between machines better than absolute ones. Results: JSON, PNG plots, a markdown table.
+"""
 
 from __future__ import annotations
 
-__all__ = ["main"]
+import argparse
+import asyncio
+import json
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from service import loadgen
+from service.process import ServerProcess, start_server, stop_server
+from service.seq2seq import session_options
+
+__all__ = ["raw_ceiling", "in_process_latency", "suite", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _encoder_feeds(batch: int, length: int, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    ids = rng.integers(4, vocab, size=(batch, length), dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def raw_ceiling(model: Path, length: int, vocab: int, seconds: float = 1.5,
+                batches: tuple[int, ...] = (1, 8, 32, 64)) -> dict[str, Any]:  # fmt: skip
+    """Best sequences/s of in-process onnxruntime over batch sizes and sessions x threads (1x2, 2x1)."""
+    rng = np.random.default_rng(0)
+    table = {}
+    for sessions, threads in ((1, 2), (2, 1)):
+        pool = [ort.InferenceSession(str(model), session_options(threads), providers=["CPUExecutionProvider"])
+                for _ in range(sessions)]  # fmt: skip
+        for b in batches:
+            feeds = _encoder_feeds(b, length, vocab, rng)
+            pool[0].run(None, feeds)  # warm-up
+            counts = [0] * sessions
+            stop = time.perf_counter() + seconds
+
+            def spin(k: int, feeds: dict[str, np.ndarray] = feeds, stop: float = stop) -> None:
+                while time.perf_counter() < stop:
+                    pool[k].run(None, feeds)
+                    counts[k] += 1
+
+            t0 = time.perf_counter()
+            workers = [threading.Thread(target=spin, args=(k,)) for k in range(sessions)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            table[f"{sessions}x{threads} batch {b}"] = sum(counts) * b / (time.perf_counter() - t0)
+    best = max(table, key=table.__getitem__)
+    return {"best": table[best], "best_config": best, "table": table}
+
+
+def in_process_latency(model: Path, length: int, vocab: int, n: int = 300) -> float:
+    """p50 seconds of one batch-1 run with the served instance's settings (1 intra-op thread)."""
+    sess = ort.InferenceSession(str(model), session_options(1), providers=["CPUExecutionProvider"])
+    feeds = _encoder_feeds(1, length, vocab, np.random.default_rng(0))
+    for _ in range(20):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """Prometheus text -> {series: value} (enough for counters)."""
+    out = {}
+    for line in urllib.request.urlopen(metrics_url, timeout=5).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def padding_share(metrics_url: str, model: str) -> float:
+    m = scrape(metrics_url)
+    real = m.get(f'qkv_batch_tokens_total{{kind="real",model="{model}"}}', 0.0)
+    pad = m.get(f'qkv_batch_tokens_total{{kind="padding",model="{model}"}}', 0.0)
+    return pad / (real + pad) if real + pad else float("nan")
+
+
+def _vocab(models: Path) -> int:
+    return len(json.loads((models / "g2p" / "1" / "graphemes.json").read_text()))
+
+
+def variant(models: Path, into: Path, changes: dict[str, dict[str, Any]]) -> Path:
+    """A copy of the repository (graphs linked, not copied) with config.json settings changed."""
+    for model_dir in models.iterdir():
+        if not model_dir.is_dir():
+            continue
+        target = into / model_dir.name
+        (target / "1").mkdir(parents=True)
+        for f in (model_dir / "1").iterdir():
+            (target / "1" / f.name).symlink_to(f.resolve())
+        config = json.loads((model_dir / "config.json").read_text())
+        for key, value in changes.get(model_dir.name, {}).items():
+            if isinstance(value, dict):
+                config.setdefault(key, {}).update(value)
+            else:
+                config[key] = value
+        (target / "config.json").write_text(json.dumps(config))
+    return into
+
+
+class _Servers:
+    """Start servers on repository variants; stop them all at the end."""
+
+    def __init__(self, models: Path, scratch: Path) -> None:
+        self.models, self.scratch, self.running = models, scratch, []
+        self.count = 0
+
+    def start(self, changes: dict[str, dict[str, Any]] | None = None, extra: list[str] | None = None) -> ServerProcess:
+        self.count += 1
+        repo = self.models if not changes else variant(self.models, self.scratch / f"repo{self.count}", changes)
+        s = start_server(["--model-repository", str(repo), *(extra or [])], self.scratch / f"server{self.count}.log")
+        self.running.append(s)
+        return s
+
+    def stop(self, s: ServerProcess) -> None:
+        stop_server(s)
+        self.running.remove(s)
+
+    def close(self) -> None:
+        for s in list(self.running):
+            self.stop(s)
+
+
+def _run(coro_factory: Callable[[Callable[[int], None]], Any], label: str, total: int) -> Any:
+    with tqdm(total=total, desc=label, unit="req", leave=False, dynamic_ncols=True) as bar:
+        return asyncio.run(coro_factory(bar.update))
+
+
+def _encoder_maker(lengths: Callable[[random.Random], int], vocab: int, seed: int = 0) -> loadgen.MakeRequest:
+    rng, nprng = random.Random(seed), np.random.default_rng(seed)
+
+    def make(i: int) -> tuple[Any, int, str]:
+        n = lengths(rng)
+        return loadgen.encoder_request(n, vocab, nprng), n, ""
+
+    return make
+
+
+def _word_maker(words: list[str], tag: Callable[[str], str] = lambda w: "") -> loadgen.MakeRequest:
+    def make(i: int) -> tuple[Any, int, str]:
+        w = words[i % len(words)]
+        return loadgen.g2p_word_request(w), len(w), tag(w)
+
+    return make
+
+
+def _closed(url: str, make: loadgen.MakeRequest, concurrency: int, seconds: float, label: str) -> loadgen.Run:
+    return _run(lambda p: loadgen.closed_loop(url, make, concurrency, seconds, progress=p), label, 0)  # type: ignore[no-any-return]
+
+
+def _open(url: str, make: loadgen.MakeRequest, rate: float, seconds: float, label: str) -> loadgen.Run:
+    return _run(lambda p: loadgen.open_loop(url, make, rate, seconds, progress=p), label, int(rate * seconds))  # type: ignore[no-any-return]
+
+
+def _test_words() -> list[str]:
+    path = ROOT / "export" / "data" / "split" / "test.txt"
+    words = [w for w in path.read_text().split() if re.fullmatch(r"[a-z']+", w)]
+    random.Random(0).shuffle(words)
+    return words
+
+
+def suite(models: Path, out: Path, seconds: float = 8.0) -> dict[str, Any]:
+    """Every target of BENCHMARKS.md in one run; returns (and writes) the figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _vocab(models)
+    encoder = models / "g2p_encoder" / "1" / "model.onnx"
+    words = _test_words()
+    results: dict[str, Any] = {"machine": f"{_cpus()} CPUs", "seconds_per_run": seconds}
+    scratch = Path(tempfile.mkdtemp(prefix="qkv-bench-"))
+    servers = _Servers(models, scratch)
+    try:
+        # 1. g2p_encoder seq 64, concurrency 32, against the raw onnxruntime ceiling.
+        ceiling = raw_ceiling(encoder, 64, vocab)
+        s = servers.start()
+        fixed = _closed(s.url, _encoder_maker(lambda r: 64, vocab), 32, seconds, "encoder seq64 c32")
+        served = loadgen.summarise(fixed)
+        results["encoder_seq64_c32"] = {"served": served, "ceiling": ceiling,
+                                        "ratio": served["rps"] / ceiling["best"]}  # fmt: skip
+        # 7. concurrency 1, seq 16: served p50 minus in-process p50.
+        lone = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 1, seconds / 2, "c1 seq16"))
+        compute = in_process_latency(encoder, 16, vocab)
+        results["encoder_seq16_c1"] = {"served_p50_ms": lone["p50_ms"], "compute_p50_ms": compute * 1e3,
+                                       "overhead_ms": lone["p50_ms"] - compute * 1e3}  # fmt: skip
+        # Concurrency sweep for the throughput plot.
+        sweep = {}
+        for c in (1, 4, 16, 64):
+            sweep[c] = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 64, vocab), c, seconds / 2, f"c{c}"))
+        results["encoder_seq64_sweep"] = sweep
+        # 2-3. mixed lengths 4..256: length-aware vs plain FIFO (pad to longest).
+        mixed = _closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds, "mixed aware")
+        aware = loadgen.summarise(mixed)
+        aware["padding_share"] = padding_share(s.metrics_url, "g2p_encoder") if False else None
+        servers.stop(s)
+        s = servers.start()  # fresh counters: padding of the mixed run only
+        mixed = _closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds, "mixed aware")
+        aware = loadgen.summarise(mixed)
+        aware["padding_share"] = padding_share(s.metrics_url, "g2p_encoder")
+        results["latency_by_seq_len"] = _by_length(mixed)
+        servers.stop(s)
+        s = servers.start({"g2p_encoder": {"batching": {"length_aware": False}}})
+        fifo = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds,
+                                         "mixed fifo"))  # fmt: skip
+        fifo["padding_share"] = padding_share(s.metrics_url, "g2p_encoder")
+        servers.stop(s)
+        results["encoder_mixed"] = {"length_aware": aware, "fifo": fifo, "ratio": aware["rps"] / fifo["rps"]}
+        # 8-9. overload: capacity at seq 256, then 10x and 80 % of it, open loop.
+        s = servers.start()
+        cap = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 256, vocab), 32, seconds / 2, "capacity"))
+        capacity = cap["rps"]
+        over = _open(s.url, _encoder_maker(lambda r: 256, vocab), 10 * capacity, seconds, "10x overload")
+        refused = [x.seconds for x in over.samples if x.code == "RESOURCE_EXHAUSTED"]
+        over_s = loadgen.summarise(over)
+        time.sleep(1.0)
+        calm = loadgen.summarise(_open(s.url, _encoder_maker(lambda r: 256, vocab), 0.8 * capacity, seconds, "80%"))
+        servers.stop(s)
+        results["overload"] = {
+            "capacity_rps": capacity, "offered_rps": 10 * capacity, "codes": over_s["codes"],
+            "refusal_p99_ms": float(np.percentile(refused, 99)) * 1e3 if refused else float("nan"),
+            "admitted_p99_ms": over_s["p99_ms"], "p99_at_80pct_ms": calm["p99_ms"],
+            "ratio": over_s["p99_ms"] / calm["p99_ms"], "client_cpu_share": over_s["client_cpu_share"],
+        }  # fmt: skip
+        # 4. g2p words, concurrency 64: batched vs batching off.
+        s = servers.start()
+        batched = loadgen.summarise(_closed(s.url, _word_maker(words), 64, seconds, "g2p batched"))
+        servers.stop(s)
+        s = servers.start({"g2p": {"batching": {"enabled": False}}})
+        alone = loadgen.summarise(_closed(s.url, _word_maker(words), 64, seconds, "g2p unbatched"))
+        servers.stop(s)
+        results["g2p_c64"] = {"batched": batched, "unbatched": alone, "ratio": batched["rps"] / alone["rps"]}
+        # 6. short words' p99 amid long ones: continuous vs static batching.
+        short = [w for w in words if len(w) <= 5][:500]
+        long_ = [w for w in words if len(w) >= 12][:500]
+        mix = [w for pair in zip(short, long_, strict=False) for w in pair]
+
+        def kind(w: str) -> str:
+            return "short" if len(w) <= 5 else "long"
+
+        s = servers.start()
+        cont = _closed(s.url, _word_maker(mix, kind), 32, seconds, "continuous")
+        servers.stop(s)
+        s = servers.start({"g2p": {"batching": {"continuous": False}}})
+        stat = _closed(s.url, _word_maker(mix, kind), 32, seconds, "static")
+        servers.stop(s)
+        results["g2p_short_p99"] = {"continuous": loadgen.summarise(cont, "short"),
+                                    "static": loadgen.summarise(stat, "short"),
+                                    "ratio": loadgen.summarise(cont, "short")["p99_ms"]
+                                    / loadgen.summarise(stat, "short")["p99_ms"]}  # fmt: skip
+    finally:
+        servers.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    results["kv_cache"] = _kv_cache(models)
+    (out / "bench.json").write_text(json.dumps(results, indent=2, default=float))
+    _plots(results, out)
+    (out / "targets.md").write_text(targets_table(results))
+    return results
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def _by_length(run: loadgen.Run) -> dict[str, dict[str, float]]:
+    edges = [4, 32, 64, 96, 128, 160, 192, 224, 257]
+    table = {}
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        lat = [x.seconds for x in run.ok() if lo <= x.seq_len < hi]
+        if lat:
+            table[f"{lo}-{hi - 1}"] = {q: float(np.percentile(lat, int(q[1:]))) * 1e3 for q in ("p50", "p95", "p99")}
+    return table
+
+
+def _kv_cache(models: Path) -> dict[str, Any]:
+    try:
+        from export.bench_kv import kv_cache_speedup
+    except ImportError as e:  # needs torch: the export extra
+        return {"skipped": f"needs the export extra: {e}"}
+    card = json.loads((models / "g2p" / "config.json").read_text())["model_card"]
+    return kv_cache_speedup(card["config"], steps=20)
+
+
+def _plots(results: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install '.[plot]'): no PNG plots")
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    table = results["latency_by_seq_len"]
+    names = list(table)
+    for q in ("p50", "p95", "p99"):
+        ax[0].plot(names, [table[n][q] for n in names], marker="o", label=q)
+    ax[0].set(xlabel="sequence length (tokens)", ylabel="latency (ms)",
+              title="g2p_encoder, mixed lengths, concurrency 32")  # fmt: skip
+    ax[0].tick_params(axis="x", rotation=45)
+    ax[0].legend()
+    sweep = results["encoder_seq64_sweep"]
+    cs = sorted(sweep, key=int)
+    ax[1].plot(cs, [sweep[c]["rps"] for c in cs], marker="o", label="served")
+    ax[1].axhline(results["encoder_seq64_c32"]["ceiling"]["best"], color="gray", ls="--", label="onnxruntime ceiling")
+    ax[1].set(xlabel="concurrency", ylabel="requests/s", title="g2p_encoder, seq 64", xscale="log")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=110)
+    plt.close(fig)
+
+
+def targets_table(r: dict[str, Any]) -> str:
+    def row(what: str, target: str, value: float, ok: bool, fmt: str = "{:.2f}") -> str:
+        return f"| {what} | {target} | {fmt.format(value)} | {'met' if ok else 'NOT met'} |"
+
+    rows = ["| what | target | measured | |", "|---|---|---|---|"]
+    x = r["encoder_seq64_c32"]["ratio"]
+    rows.append(row("g2p_encoder seq 64 c32: served / raw onnxruntime ceiling", ">= 0.8", x, x >= 0.8))
+    x = r["encoder_mixed"]["length_aware"]["padding_share"]
+    rows.append(row("g2p_encoder mixed 4..256: padded share of computed tokens", "<= 15 %", 100 * x, x <= 0.15,
+                    "{:.1f} %"))  # fmt: skip
+    x = r["encoder_mixed"]["ratio"]
+    rows.append(row("same: length-aware / pad-to-longest FIFO throughput", ">= 1.5", x, x >= 1.5))
+    x = r["g2p_c64"]["ratio"]
+    rows.append(row("g2p test words c64: words/s batched / batching off", ">= 4", x, x >= 4))
+    kv = r["kv_cache"]
+    if "speedup" in kv:
+        rows.append(row("g2p decode, 20 tokens: with kv cache / without (speed-up)", ">= 2x", kv["speedup"],
+                        kv["speedup"] >= 2, "{:.2f}x"))  # fmt: skip
+    x = r["g2p_short_p99"]["ratio"]
+    rows.append(row("g2p short words p99: continuous / static batching", "<= 0.6", x, x <= 0.6))
+    x = r["encoder_seq16_c1"]["overhead_ms"]
+    rows.append(row("c1 seq 16: p50 served - p50 in-process compute", "<= 1 ms", x, x <= 1.0, "{:.2f} ms"))
+    x = r["overload"]["refusal_p99_ms"]
+    rows.append(row("10x overload: p99 time to RESOURCE_EXHAUSTED", "<= 5 ms", x, x <= 5.0, "{:.2f} ms"))
+    x = r["overload"]["ratio"]
+    rows.append(row("10x overload: admitted p99 / p99 at 80 % load", "<= 2", x, x <= 2))
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: list[str]) -> int:
-    raise SystemExit("qkv bench: not built yet")
+    parser = argparse.ArgumentParser(prog="qkv bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--suite", action="store_true", help="run every BENCHMARKS.md target (starts its own servers)")
+    parser.add_argument("--model-repository", type=Path, default=Path("models"))
+    parser.add_argument("--url", default="127.0.0.1:8001")
+    parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
+    parser.add_argument("--lengths", default="64", help="N, or LO:HI uniform (tensor model)")
+    parser.add_argument("--concurrency", default="1,8,32", help="closed loop: comma-separated")
+    parser.add_argument("--rate", type=float, default=0.0, help="open loop at this many requests/s instead")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.suite:
+        results = suite(args.model_repository, args.out, args.seconds)
+        print(targets_table(results))
+        print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.png'}, {args.out / 'targets.md'}")
+        return 0
+    vocab = _vocab(args.model_repository)
+    if args.model == "g2p":
+        make = _word_maker(_test_words())
+    else:
+        lo, _, hi = args.lengths.partition(":")
+        make = _encoder_maker(lambda r: r.randint(int(lo), int(hi or lo)), vocab)
+    report: dict[str, Any] = {}
+    if args.rate:
+        report[f"rate {args.rate:g}"] = loadgen.summarise(_open(args.url, make, args.rate, args.seconds, "open loop"))
+    else:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            run = _closed(args.url, make, c, args.seconds, f"concurrency {c}")
+            report[f"concurrency {c}"] = {**loadgen.summarise(run), "by_seq_len": _by_length(run)}
+    for name, r in report.items():
+        print(f"{name}: {r['rps']:.1f} req/s  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  codes {r['codes']}  "
+              f"load generator CPU {r['client_cpu_share']:.0%}")  # fmt: skip
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2, default=float))
+    return 0

@@ -105,6 +105,8 @@ class Metrics:
         self.model_info = Gauge(
             "qkv_model_info", "Served models (value 1)", ["model", "version", "provider"], registry=r
         )
+        self.batch_tokens = Counter("qkv_batch_tokens", "Tokens computed in batches: real or padding",
+                                    ["model", "kind"], registry=r)
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
         )
@@ -128,6 +130,8 @@ class ModelObserver:
         self._size = metrics.batch_size.labels(model)
         self._padding = metrics.padding_ratio.labels(model)
         self._dropped = {r: metrics.dropped.labels(model, r) for r in ("cancelled", "deadline")}
+        self._real = metrics.batch_tokens.labels(model, "real")
+        self._pad = metrics.batch_tokens.labels(model, "padding")
 
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)
@@ -140,6 +144,8 @@ class ModelObserver:
         self._size.observe(rows)
         if padded_tokens > 0:
             self._padding.observe(max(0.0, (padded_tokens - real_tokens) / padded_tokens))
+            self._real.inc(real_tokens)
+            self._pad.inc(max(0, padded_tokens - real_tokens))
 
     def dropped(self, reason: str) -> None:
         self._dropped[reason].inc()

@@ -32,8 +32,9 @@ class BatchingConfig:
     max_queue_delay_ms: float = 2.0  # how long a partial batch may wait for company
     token_budget: int = 8192  # rows x padded length of one batch
     length_aware: bool = True  # group requests of similar length (False: plain FIFO, pad to longest)
+    max_padding: float = 0.1  # length-aware: the padded share a batch may reach
     max_queue_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED at once
-    max_queue_tokens: int = 131072  # queued padded tokens beyond which new work is refused
+    max_queue_tokens: int = 32768  # queued tokens beyond which new work is refused (bounds queueing delay)
     continuous: bool = True  # g2p: words join a running decode at the next step
 
 

@@ -77,14 +77,30 @@ def module(name: str) -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        pytest.fail(f"Python module {name} is missing; install it with: {sys.executable} -m pip install {PIP[name]}",
-                    pytrace=False)
+        pytest.fail(
+            f"Python module {name} is missing; install it with: {sys.executable} -m pip install {PIP[name]}",
+            pytrace=False,
+        )
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 120,
-        input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, input=input, check=False)
+def run(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    timeout: float = 120,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+        check=False,
+    )
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> None:
@@ -122,9 +138,9 @@ def grouping_labels(expr: str) -> list[list[str]]:
     groups: list[list[str]] = []
 
     def visit(node: Any) -> None:
-        if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
-            if str(node.modifier.type).endswith("By"):
-                groups.append(list(node.modifier.labels))
+        modifier = getattr(node, "modifier", None) if isinstance(node, promql_parser.AggregateExpr) else None
+        if modifier is not None and str(modifier.type).endswith("By"):
+            groups.append(list(modifier.labels))
 
     promql_parser.walk(promql_parser.parse(expr), visit)
     return groups

@@ -1,0 +1,315 @@
+"""Kubernetes: the overlays build, validate against the 1.33 schemas, and say what matters."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy_helpers import K8S, OVERLAYS, PROMETHEUS, load_yaml, load_yaml_all, module, ok, run, tool
+
+Rendered = dict[str, tuple[Path, list[dict[str, Any]]]]
+PROBE_TIMING = {"periodSeconds", "timeoutSeconds", "failureThreshold", "initialDelaySeconds", "successThreshold"}
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = pod_spec(docs)["containers"]
+    assert [c["name"] for c in containers] == ["qkv"]
+    return containers[0]
+
+
+def config(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return one(docs, "ConfigMap")["data"]
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_against_kubernetes_1_33(rendered: Rendered, overlay: str) -> None:
+    module("kubernetes_validate")
+    path, _ = rendered[overlay]
+    proc = run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "--no-warn", "-k", "1.33.0", str(path)]
+    )
+    ok(proc)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_resources_round_trip_through_operator_models(rendered: Rendered, overlay: str) -> None:
+    module("cloudcoil.models.prometheus_operator")
+    path, _ = rendered[overlay]
+    proc = run([sys.executable, str(K8S / "crdcheck.py"), str(path)])
+    ok(proc)
+    assert proc.stdout.split() == ["ok", "PrometheusRule/qkv", "ok", "ServiceMonitor/qkv"], proc.stdout
+
+
+def test_crdcheck_catches_unknown_fields_and_wrong_types(rendered: Rendered, tmp_path: Path) -> None:
+    module("cloudcoil.models.prometheus_operator")
+    import yaml
+
+    docs = [dict(d) for d in rendered["cpu"][1]]
+    for d in docs:
+        if d["kind"] == "ServiceMonitor":
+            d["spec"] = {**d["spec"], "endpoints": [{**d["spec"]["endpoints"][0], "intervall": "5s"}]}
+        if d["kind"] == "PrometheusRule":
+            groups = yaml.safe_load(yaml.safe_dump(d["spec"]["groups"]))
+            groups[1]["rules"][0]["for"] = ["5m"]
+            d["spec"] = {"groups": groups}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump_all(docs), encoding="utf-8")
+    proc = run([sys.executable, str(K8S / "crdcheck.py"), str(bad)])
+    assert proc.returncode == 1
+    assert "intervall: unknown field" in proc.stdout
+    assert "PrometheusRule/qkv" in proc.stdout and "valid string" in proc.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_has_every_resource(rendered: Rendered, overlay: str) -> None:
+    kinds = sorted(d["kind"] for d in rendered[overlay][1])
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "Deployment",
+            "Service",
+            "Service",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
+    for d in rendered[overlay][1]:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "qkv", d["metadata"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_are_native_grpc_on_8001(rendered: Rendered, overlay: str) -> None:
+    c = container(rendered[overlay][1])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert set(c[probe]) - PROBE_TIMING == {"grpc"}, c[probe]
+        assert c[probe]["grpc"]["port"] == 8001
+        assert c[probe]["grpc"].get("service", "") == ""  # the server's overall health
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": 8001, "metrics": 8002}
+    cfg = config(rendered[overlay][1])
+    assert cfg["QKV_GRPC_PORT"] == "8001" and cfg["QKV_METRICS_PORT"] == "8002"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_termination_outlasts_prestop_plus_drain(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    grace = float(config(docs)["QKV_GRACE_PERIOD"])
+    pre_stop = container(docs).get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    termination = pod_spec(docs)["terminationGracePeriodSeconds"]
+    assert termination > grace + pre_stop, (termination, grace, pre_stop)
+    assert grace > 0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_settings_come_from_the_configmap(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    cm = one(docs, "ConfigMap")
+    refs = [e["configMapRef"]["name"] for e in container(docs)["envFrom"]]
+    assert refs == [cm["metadata"]["name"]]
+    assert all(key.startswith("QKV_") for key in cm["data"])
+    assert cm["data"]["QKV_MODEL_REPOSITORY"] == "/opt/qkv/models"
+    assert int(cm["data"]["QKV_MAX_CONNECTION_AGE"]) > 0  # clients reconnect and spread over pods
+    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda"}[overlay]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_resources_have_requests_and_limits(rendered: Rendered, overlay: str) -> None:
+    resources = container(rendered[overlay][1])["resources"]
+    for key in ("cpu", "memory"):
+        assert resources["requests"][key] and resources["limits"][key], resources
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pod_runs_locked_down(rendered: Rendered, overlay: str) -> None:
+    spec = pod_spec(rendered[overlay][1])
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0
+    assert pod["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = container(rendered[overlay][1])["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert spec["automountServiceAccountToken"] is False
+    # The read-only root still has a writable /tmp.
+    mounts = {m["mountPath"]: m["name"] for m in container(rendered[overlay][1])["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_spread_over_nodes_and_zones(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    keys = set()
+    for tsc in pod_spec(docs)["topologySpreadConstraints"]:
+        assert matches(tsc["labelSelector"]["matchLabels"], labels)
+        keys.add(tsc["topologyKey"])
+    assert keys == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_select_the_pods(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    svc = one(docs, "Service", "qkv")
+    assert matches(svc["spec"]["selector"], labels)
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        "grpc": (8001, "grpc"),
+        "metrics": (8002, "metrics"),
+    }
+    headless = one(docs, "Service", "qkv-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert matches(headless["spec"]["selector"], labels)
+    assert [p["port"] for p in headless["spec"]["ports"]] == [8001]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hpa_scales_the_deployment_on_cpu(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert ref == {"apiVersion": "apps/v1", "kind": "Deployment", "name": one(docs, "Deployment")["metadata"]["name"]}
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    cpu = [m for m in hpa["spec"]["metrics"] if m["type"] == "Resource" and m["resource"]["name"] == "cpu"]
+    assert cpu and cpu[0]["resource"]["target"]["type"] == "Utilization"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pdb_and_network_policy_select_the_pods(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert matches(pdb["spec"]["selector"]["matchLabels"], labels)
+    netpol = one(docs, "NetworkPolicy")
+    assert matches(netpol["spec"]["podSelector"]["matchLabels"], labels)
+    allowed = {p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed == {8001, 8002}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_scrapes_the_metrics_port_once(rendered: Rendered, overlay: str) -> None:
+    docs = rendered[overlay][1]
+    sm = one(docs, "ServiceMonitor")
+    selected = [
+        s
+        for s in docs
+        if s["kind"] == "Service" and matches(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    # Only the ClusterIP Service: the headless one would scrape every pod twice.
+    assert [s["metadata"]["name"] for s in selected] == ["qkv"]
+    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    for endpoint in sm["spec"]["endpoints"]:
+        assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_rule_equals_rules_yml(rendered: Rendered, overlay: str) -> None:
+    rule = one(rendered[overlay][1], "PrometheusRule")
+    assert rule["spec"]["groups"] == load_yaml(PROMETHEUS / "rules.yml")["groups"]
+
+
+def test_prometheus_rule_file_is_generated_from_rules_yml() -> None:
+    ok(run([sys.executable, str(K8S / "sync_rules.py"), "--check"]))
+
+
+def test_prometheus_rule_groups_pass_promtool(rendered: Rendered, tmp_path: Path) -> None:
+    import yaml
+
+    promtool = tool("promtool")
+    groups = one(rendered["cpu"][1], "PrometheusRule")["spec"]["groups"]
+    path = tmp_path / "cr-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False), encoding="utf-8")
+    ok(run([promtool, "check", "rules", str(path)]))
+
+
+def test_cpu_overlay_runs_the_cpu_image(rendered: Rendered) -> None:
+    c = container(rendered["cpu"][1])
+    assert "cuda" not in c["image"] and c["image"].startswith("qkv:")
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert c["command"] == ["qkv"] and c["args"][0] == "serve"
+
+
+def test_gpu_overlay_runs_the_cuda_image_on_a_gpu_node(rendered: Rendered) -> None:
+    docs = rendered["gpu"][1]
+    c = container(docs)
+    assert c["image"].endswith("-cuda")
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    spec = pod_spec(docs)
+    assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in spec["tolerations"])
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = {e["key"] for t in terms for e in t["matchExpressions"]} | set(spec.get("nodeSelector", {}))
+    assert "nvidia.com/gpu.present" in keys
+    assert config(docs)["QKV_DEVICE"] == "cuda"
+    # The CPU overlay's probes survive the GPU patch.
+    assert c["startupProbe"]["grpc"]["port"] == 8001
+
+
+def test_namespace_enforces_restricted_pod_security(rendered: Rendered) -> None:
+    ns = one(rendered["cpu"][1], "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+# --- KServe ----------------------------------------------------------------------------
+
+
+def kserve_docs() -> list[dict[str, Any]]:
+    kubectl = tool("kubectl")
+    proc = run([kubectl, "kustomize", str(K8S / "kserve")])
+    ok(proc)
+    return load_yaml_all(proc.stdout)
+
+
+def test_kserve_serving_runtime_speaks_grpc_v2_on_8001() -> None:
+    docs = kserve_docs()
+    runtime = one(docs, "ServingRuntime")
+    assert runtime["apiVersion"] == "serving.kserve.io/v1alpha1"
+    spec = runtime["spec"]
+    assert {"v2", "grpc-v2"} <= set(spec["protocolVersions"])
+    assert spec["supportedModelFormats"] and all("name" in f for f in spec["supportedModelFormats"])
+    [c] = spec["containers"]
+    assert c["name"] == "kserve-container" and c["image"].startswith("qkv:")
+    argv = c["command"] + c["args"]
+    assert argv[:2] == ["qkv", "serve"]
+    assert "--model-repository=/mnt/models" in argv and "--grpc-port=8001" in argv
+    assert c["ports"] == [{"name": "h2c", "containerPort": 8001, "protocol": "TCP"}]
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_kserve_inference_service_uses_the_runtime() -> None:
+    docs = kserve_docs()
+    runtime = one(docs, "ServingRuntime")
+    isvc = one(docs, "InferenceService")
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+    assert model["protocolVersion"] == "grpc-v2"
+    assert "://" in model["storageUri"]
+    assert [p["containerPort"] for p in model["ports"]] == [8001]
