@@ -121,6 +121,14 @@ class _Admission:
                 f"queued (limits {c.max_queue_requests} / {c.max_queue_tokens})",
                 retry_after_ms=self.predicted_wait_ms(tokens),
             )
+        if self.tokens_per_second > 0:
+            wait = self.queued_tokens / self.tokens_per_second
+            if wait * 1e3 > c.max_queue_wait_ms:
+                raise ResourceExhausted(
+                    f"model '{self.name}' is overloaded: predicted queueing {wait * 1e3:.0f} ms exceeds "
+                    f"{c.max_queue_wait_ms:.0f} ms",
+                    retry_after_ms=self.predicted_wait_ms(tokens),
+                )
         if deadline is not None and self.tokens_per_second > 0:
             wait = (self.queued_tokens + tokens) / self.tokens_per_second
             if time.monotonic() + wait > deadline:
@@ -353,6 +361,12 @@ class GenerationScheduler:
         rows = len(batch)
         if rows and not c.continuous:
             return joined
+        if rows and self.queue:
+            # Joining costs an encoder run: gather a few words first, unless the oldest has waited long enough.
+            waiting = sum(len(x.payload.sources) for x in self.queue)
+            patience = self.queue[0].arrived + c.max_queue_delay_ms / 1e3 - now
+            if waiting < min(c.min_join_rows, c.max_batch_size - rows) and patience > 0:
+                return joined
         for item in list(self.queue):
             req: WordsRequest = item.payload
             if req.beam_size > 1:

@@ -34,8 +34,10 @@ class BatchingConfig:
     length_aware: bool = True  # group requests of similar length (False: plain FIFO, pad to longest)
     max_padding: float = 0.1  # length-aware: the padded share a batch may reach
     max_queue_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED at once
-    max_queue_tokens: int = 32768  # queued tokens beyond which new work is refused (bounds queueing delay)
+    max_queue_tokens: int = 32768  # queued tokens beyond which new work is refused
+    max_queue_wait_ms: float = 1000.0  # refuse work whose predicted wait (queued tokens / measured rate) is longer
     continuous: bool = True  # g2p: words join a running decode at the next step
+    min_join_rows: int = 8  # g2p: words that join together (fewer once max_queue_delay_ms has passed)
 
 
 @dataclass(frozen=True)
