@@ -38,6 +38,7 @@ class ServerSettings:
     max_message_bytes: int = _setting(64 << 20, "largest request or response message")
     max_concurrent_streams: int = _setting(1024, "HTTP/2 streams one connection may hold open")
     access_log: bool = _setting(False, "one JSON line per request on stderr")
+    metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")
     log_level: str = _setting("info", "debug, info, warning or error")
 
     def summary(self) -> str:

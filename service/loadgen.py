@@ -21,7 +21,7 @@ import numpy as np
 from service import protocol
 from service.client import g2p_request
 
-__all__ = ["Sample", "Run", "closed_loop", "open_loop", "encoder_request", "g2p_word_request", "summarise"]
+__all__ = ["Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "open_loop", "summarise"]
 
 MakeRequest = Callable[[int], tuple[Any, int, str]]  # i -> (request, seq_len, tag)
 
@@ -72,8 +72,14 @@ async def _one(stub: Any, request: Any, seq_len: int, tag: str, timeout: float, 
     run.samples.append(Sample(seq_len, time.perf_counter() - t0, code, tag))
 
 
-async def closed_loop(url: str, make: MakeRequest, concurrency: int, seconds: float, timeout: float = 30.0,
-                      progress: Callable[[int], None] | None = None) -> Run:
+async def closed_loop(
+    url: str,
+    make: MakeRequest,
+    concurrency: int,
+    seconds: float,
+    timeout: float = 30.0,
+    progress: Callable[[int], None] | None = None,
+) -> Run:
     run = Run()
     cpu0, t0 = _cpu(), time.perf_counter()
     stop = t0 + seconds
@@ -93,8 +99,14 @@ async def closed_loop(url: str, make: MakeRequest, concurrency: int, seconds: fl
     return run
 
 
-async def open_loop(url: str, make: MakeRequest, rate: float, seconds: float, timeout: float = 30.0,
-                    progress: Callable[[int], None] | None = None) -> Run:
+async def open_loop(
+    url: str,
+    make: MakeRequest,
+    rate: float,
+    seconds: float,
+    timeout: float = 30.0,
+    progress: Callable[[int], None] | None = None,
+) -> Run:
     """Send `rate` requests/s for `seconds` (Poisson-free: evenly spaced), then wait for answers."""
     run = Run()
     cpu0, t0 = _cpu(), time.perf_counter()
@@ -127,7 +139,12 @@ def summarise(run: Run, tag: str | None = None) -> dict[str, Any]:
         if tag is None or s.tag == tag:
             codes[s.code] = codes.get(s.code, 0) + 1
     return {
-        "requests": sum(codes.values()), "codes": codes, "rps": len(ok) / run.wall if run.wall else 0.0,
-        "p50_ms": _pct(lat, 50) * 1e3, "p95_ms": _pct(lat, 95) * 1e3, "p99_ms": _pct(lat, 99) * 1e3,
-        "wall_s": run.wall, "client_cpu_share": run.client_cpu / run.wall if run.wall else 0.0,
+        "requests": sum(codes.values()),
+        "codes": codes,
+        "rps": len(ok) / run.wall if run.wall else 0.0,
+        "p50_ms": _pct(lat, 50) * 1e3,
+        "p95_ms": _pct(lat, 95) * 1e3,
+        "p99_ms": _pct(lat, 99) * 1e3,
+        "wall_s": run.wall,
+        "client_cpu_share": run.client_cpu / run.wall if run.wall else 0.0,
     }

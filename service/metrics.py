@@ -60,10 +60,22 @@ def seq_len_bucket(length: int) -> str:
     return str(SEQ_LEN_BUCKETS[i]) if i < len(SEQ_LEN_BUCKETS) else "inf"
 
 
+class _Off:
+    """Stands in for a metric when recording is off (to measure what recording costs)."""
+
+    def labels(self, *_: object) -> _Off:
+        return self
+
+    def inc(self, *_: object) -> None: ...
+    def dec(self, *_: object) -> None: ...
+    def set(self, *_: object) -> None: ...
+    def observe(self, *_: object) -> None: ...
+
+
 class Metrics:
     """The server's metrics in a registry of their own (tests can run several servers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         r = self.registry = CollectorRegistry()
         self.request_duration = Histogram(
             "qkv_request_duration_seconds",
@@ -105,11 +117,16 @@ class Metrics:
         self.model_info = Gauge(
             "qkv_model_info", "Served models (value 1)", ["model", "version", "provider"], registry=r
         )
-        self.batch_tokens = Counter("qkv_batch_tokens", "Tokens computed in batches: real or padding",
-                                    ["model", "kind"], registry=r)
+        self.batch_tokens = Counter(
+            "qkv_batch_tokens", "Tokens computed in batches: real or padding", ["model", "kind"], registry=r
+        )
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
         )
+        if not enabled:
+            for name, value in list(vars(self).items()):
+                if name != "registry" and hasattr(value, "labels"):
+                    setattr(self, name, _Off())
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; return the bound port (port 0 picks a free one)."""

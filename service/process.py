@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 __all__ = ["ServerProcess", "start_server", "stop_server"]
 
@@ -71,5 +71,3 @@ def stop_server(server: ServerProcess, timeout: float = 30) -> int:
     finally:
         if server.log_file is not None:
             server.log_file.close()
-
-
