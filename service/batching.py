@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -310,7 +311,13 @@ class WordsRequest:
 
 
 class GenerationScheduler:
-    """Continuous batching of word decoding over `DecodingBatch`, one worker per model instance."""
+    """Continuous batching of word decoding: one decoding thread per model instance.
+
+    Each thread keeps its own `DecodingBatch` and runs step after step without returning to the
+    event loop: finished requests are handed back with `call_soon_threadsafe`, and waiting words
+    are taken from the shared queue between steps (continuous) or only when the batch is empty
+    (static). The queue and its admission counters are shared under one lock.
+    """
 
     def __init__(
         self,
@@ -322,15 +329,19 @@ class GenerationScheduler:
         self.name, self.config, self.models = name, config, list(models)
         self.observer = observer or _NullObserver()
         self.admission = _Admission(name, config, len(self.models))
-        self.queue: list[WorkItem] = []  # requests not yet (fully) admitted into a batch
-        self._changed = asyncio.Event()
-        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(len(models))]
-        self._workers: list[asyncio.Task[None]] = []
+        self.queue: list[WorkItem] = []  # requests not yet admitted into a batch
+        self._lock = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._running = 0
+        self._stopping = False
 
     def start(self) -> None:
-        self._workers = [asyncio.create_task(self._work(i)) for i in range(len(self.models))]
+        self._loop = asyncio.get_running_loop()
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"qkv-{self.name}-{i}", daemon=True)
+                         for i in range(len(self.models))]  # fmt: skip
+        for t in self._threads:
+            t.start()
 
     async def submit(self, item: WorkItem) -> list[Hypothesis]:
         if self._closed:
@@ -338,53 +349,77 @@ class GenerationScheduler:
         req: WordsRequest = item.payload
         req.results = [None] * len(req.sources)
         req.remaining = len(req.sources)
-        self.admission.admit(item.tokens, item.deadline)
-        self.queue.append(item)
-        self.observer.queue_depth(len(self.queue))
-        self._changed.set()
+        with self._lock:
+            self.admission.admit(item.tokens, item.deadline)
+            self.queue.append(item)
+            self.observer.queue_depth(len(self.queue))
+            self._lock.notify()
         try:
             return await item.future  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             item.cancelled = True
             raise
 
+    # -- called on the decoding threads ------------------------------------------------------
+
+    def _resolve(self, item: WorkItem, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if not item.future.done():
+                if error is not None:
+                    item.future.set_exception(error)
+                else:
+                    item.future.set_result(result)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(settle)
+
     def _pop(self, item: WorkItem) -> None:
         self.queue.remove(item)
         self.admission.release(item.tokens)
         self.observer.queue_depth(len(self.queue))
 
-    def _admit_into(self, batch: DecodingBatch) -> list[tuple[WorkItem, list[Hypothesis]]]:
+    def _gone(self, item: WorkItem, now: float) -> bool:
+        """Refuse a request whose client left or whose deadline passed (under the lock)."""
+        error: ServingError | None = None
+        if item.cancelled:
+            self.observer.dropped("cancelled")
+            error = Cancelled("the client cancelled the request")
+        elif item.deadline is not None and now >= item.deadline:
+            self.observer.dropped("deadline")
+            error = DeadlineExceeded("the request's deadline passed while it was queued")
+        if error is None:
+            return False
+        self._pop(item)
+        self._resolve(item, error=error)
+        return True
+
+    def _admit_into(self, batch: DecodingBatch) -> list[Hypothesis]:
         """Waiting greedy requests that fit into `batch` now (whole requests, oldest first)."""
         c = self.config
         now = time.monotonic()
-        joined: list[tuple[WorkItem, list[Hypothesis]]] = []
         rows = len(batch)
+        joined: list[Hypothesis] = []
         if rows and not c.continuous:
             return joined
-        if rows and self.queue:
-            # Joining costs an encoder run: gather a few words first, unless the oldest has waited long enough.
-            waiting = sum(len(x.payload.sources) for x in self.queue)
-            patience = self.queue[0].arrived + c.max_queue_delay_ms / 1e3 - now
+        for item in [x for x in self.queue if x.payload.beam_size == 1]:
+            self._gone(item, now)
+        greedy = [x for x in self.queue if x.payload.beam_size == 1]
+        if rows and greedy:
+            # Joining costs an encoder run: gather a few words first, unless the oldest has waited enough.
+            waiting = sum(len(x.payload.sources) for x in greedy)
+            patience = greedy[0].arrived + c.max_queue_delay_ms / 1e3 - now
             if waiting < min(c.min_join_rows, c.max_batch_size - rows) and patience > 0:
                 return joined
-        for item in list(self.queue):
+        for item in greedy:
             req: WordsRequest = item.payload
-            if req.beam_size > 1:
-                continue
-            if _refuse_if_gone(item, now, self.observer):
-                self._pop(item)
-                continue
             n = len(req.sources)
             if rows and rows + n > c.max_batch_size:
                 break
             self._pop(item)
             item.started = now
             self.observer.waited(now - item.arrived)
-            hyps = [
-                Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
-                for j, src in enumerate(req.sources)
-            ]
-            joined.append((item, hyps))
+            joined += [Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
+                       for j, src in enumerate(req.sources)]  # fmt: skip
             rows += n
             if not c.enabled:
                 break
@@ -392,93 +427,75 @@ class GenerationScheduler:
 
     def _next_beam(self) -> WorkItem | None:
         now = time.monotonic()
-        for item in list(self.queue):
-            if item.payload.beam_size > 1:
+        for item in [x for x in self.queue if x.payload.beam_size > 1]:
+            if not self._gone(item, now):
                 self._pop(item)
-                if _refuse_if_gone(item, now, self.observer):
-                    continue
                 item.started = now
                 return item
         return None
-
-    def _advance(self, batch: DecodingBatch, new: list[Hypothesis]) -> tuple[list[Hypothesis], int, int]:
-        """Runs on the instance's thread: admit new rows, then one decoding step."""
-        batch.add(new)
-        rows = len(batch)
-        mask = batch.memory_mask
-        real = int(mask.sum())
-        return batch.step(), rows, real
 
     def _finish(self, h: Hypothesis) -> None:
         item, j = h.tag  # type: ignore[misc]
         req: WordsRequest = item.payload
         req.results[j] = h
         req.remaining -= 1
-        if req.remaining == 0 and not item.future.done():
-            item.future.set_result(req.results)
+        if req.remaining == 0:
+            self._resolve(item, req.results)
 
-    async def _work(self, instance: int) -> None:
-        loop = asyncio.get_running_loop()
+    def _work(self, instance: int) -> None:
         model = self.models[instance]
-        executor = self._executors[instance]
         batch = DecodingBatch(model)
         while True:
-            beam = None if len(batch) else self._next_beam()
+            with self._lock:
+                while not len(batch) and not self.queue and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and not len(batch) and not self.queue:
+                    return
+                beam = None if len(batch) else self._next_beam()
+                new = [] if beam is not None else self._admit_into(batch)
+                if beam is None and not new and not len(batch):
+                    self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
+                    continue
             if beam is not None:
-                await self._run_beam(beam, instance)
+                self._run_beam(beam, model)
                 continue
-            joined = self._admit_into(batch)
-            if not len(batch) and not joined:
-                self._changed.clear()
-                await self._changed.wait()
-                continue
-            new = [h for _, hyps in joined for h in hyps]
             start = time.monotonic()
             try:
-                finished, rows, real = await loop.run_in_executor(executor, self._advance, batch, new)
+                batch.add(new)
+                rows, real = len(batch), int(batch.memory_mask.sum())
+                padded = batch.memory_mask.size
+                finished = batch.step()
             except Exception as e:  # fail every request in this batch, keep serving
                 log.error("model '%s': decoding batch failed: %s", self.name, e)
                 failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}  # type: ignore[index]
                 for item in failed.values():
-                    if not item.future.done():
-                        item.future.set_exception(Internal(f"model '{self.name}' failed on this batch: {e}"))
+                    self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
-            padded = rows * batch.memory_mask.shape[1] if len(batch) else real
-            self.observer.batch(rows, max(padded, real), real, seconds)
-            self.admission.measured(rows, seconds)
+            self.observer.batch(rows, padded, real, seconds)
+            with self._lock:
+                self.admission.measured(rows, seconds)
             for h in finished:
                 self._finish(h)
 
-    async def _run_beam(self, item: WorkItem, instance: int) -> None:
+    def _run_beam(self, item: WorkItem, model: StepModel) -> None:
         req: WordsRequest = item.payload
         start = time.monotonic()
         try:
-            hyps = await asyncio.get_running_loop().run_in_executor(
-                self._executors[instance],
-                beam_search,
-                self.models[instance],
-                req.sources,
-                req.beam_size,
-                req.max_output_length,
-                1,
-                2,
-                req.with_attention,
-            )
+            hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length, 1, 2, req.with_attention)
         except Exception as e:
             log.error("model '%s': beam search failed: %s", self.name, e)
-            item.future.set_exception(Internal(f"model '{self.name}' failed on this request: {e}"))
+            self._resolve(item, error=Internal(f"model '{self.name}' failed on this request: {e}"))
             return
         self.observer.batch(len(req.sources) * req.beam_size, item.tokens, item.tokens, time.monotonic() - start)
-        if not item.future.done():
-            item.future.set_result(hyps)
+        self._resolve(item, hyps)
 
     async def close(self) -> None:
+        """Refuse new work; let the threads finish what they hold, then stop them."""
         self._closed = True
-        while self.queue:
-            await asyncio.sleep(0.01)
-        for w in self._workers:
-            w.cancel()
-        for e in self._executors:
-            e.shutdown(wait=True)
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        for t in self._threads:
+            await asyncio.get_running_loop().run_in_executor(None, t.join)
