@@ -15,6 +15,7 @@ import numpy as np
 from service.errors import InvalidArgument
 
 __all__ = [
+    "MAX_DIMS",
     "NUMPY_DTYPES",
     "ONNX_DATATYPES",
     "datatype_of",
@@ -69,6 +70,10 @@ CONTENTS_FIELD = {
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
+# Datatypes whose typed contents travel in a wider field, and that field's numpy type.
+_NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np.uint32}
+MAX_BYTES_ELEMENTS = 1 << 16  # BYTES elements in one tensor
+MAX_DIMS = 32  # dimensions of one tensor (numpy itself stops at 64)
 _DATATYPE_OF = {np.dtype(v).str: k for k, v in NUMPY_DTYPES.items() if k != "BYTES"}
 
 
@@ -109,13 +114,23 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
     if datatype not in NUMPY_DTYPES:
         raise InvalidArgument(f"input '{name}': unknown datatype '{datatype}'")
     shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, the limit is {MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"input '{name}': negative dimension in shape {list(shape)}")
-    count = 1
+    # Checked before anything is allocated; zeros aside, so [0, 2**62] is refused too (numpy could not hold it).
+    count, extent = 1, 1
     for d in shape:
         count *= d
-        if count > max_elements:
-            raise InvalidArgument(f"input '{name}': shape {list(shape)} exceeds the limit of {max_elements} elements")
+        extent *= max(d, 1)
+        if extent > max_elements:
+            aside = " (zero dimensions aside)" if 0 in shape else ""
+            raise InvalidArgument(
+                f"input '{name}': shape {list(shape)} exceeds the limit of {max_elements} elements{aside}"
+            )
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
+        # Decoding BYTES is a Python loop per element: bound it before it can hold the event loop.
+        raise InvalidArgument(f"input '{name}': {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidArgument(f"input '{name}': both typed contents and raw_input_contents given")
@@ -138,7 +153,17 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
         )
     if datatype == "BYTES":
         return np.array(list(values), dtype=np.object_).reshape(shape)
-    return np.asarray(values, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
+    dtype = np.dtype(NUMPY_DTYPES[datatype])
+    if datatype in _NARROW:  # carried widened (int32 / uint32): a value may not fit the declared type
+        wide = np.asarray(values, dtype=_NARROW[datatype])
+        info = np.iinfo(dtype)
+        if wide.size and (wide.min() < info.min or wide.max() > info.max):
+            bad = int(wide.min()) if wide.min() < info.min else int(wide.max())
+            raise InvalidArgument(
+                f"input '{name}': value {bad} in contents.{field} is outside {datatype} [{info.min}, {info.max}]"
+            )
+        return wide.astype(dtype).reshape(shape)
+    return np.asarray(values, dtype=dtype).reshape(shape)
 
 
 def fill_output(tensor: Any, array: np.ndarray) -> bytes:

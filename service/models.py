@@ -157,6 +157,11 @@ class TensorModel:
         n = rows.pop()
         if n < 1:
             raise InvalidArgument("the batch dimension (axis 0) is 0: nothing to infer")
+        for s in self.inputs:
+            if feeds[s.name].size == 0:
+                raise InvalidArgument(
+                    f"input '{s.name}': shape {list(feeds[s.name].shape)} has no elements: nothing to infer"
+                )
         if self.batchable and n > self.max_batch_size:
             raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
         length = self._length(feeds)

@@ -8,6 +8,7 @@ stops the start.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -20,6 +21,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -266,16 +270,21 @@ class InferenceService:
         return inputs
 
 
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Bearer tokens on the inference service; health and reflection stay open for probes."""
 
     def __init__(self, tokens: list[str]) -> None:
-        self.tokens = [t.encode() for t in tokens]
+        # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
+        self.tokens = [_digest(t.encode()) for t in tokens]
 
     def _allowed(self, metadata: Any) -> bool:
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                offered = value[len("Bearer ") :].encode()
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = _digest(value[7:].strip().encode())
                 # compare against every token, so the time taken says nothing about which matched
                 return any([hmac.compare_digest(offered, t) for t in self.tokens])
         return False
@@ -304,7 +313,22 @@ def _read(path: Path, what: str) -> bytes:
         raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
 
 
+def _tokens(s: ServerSettings) -> list[str]:
+    """The bearer tokens of --auth-token-file, one a line (blank lines skipped)."""
+    if not s.auth_token_file:
+        return []
+    try:
+        text = _read(s.auth_token_file, "token file").decode()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"qkv: token file {s.auth_token_file} is not UTF-8 text (byte {e.start})") from None
+    tokens = [t.strip() for t in text.splitlines() if t.strip()]
+    if not tokens:
+        raise SystemExit(f"qkv: token file {s.auth_token_file} holds no token")
+    return tokens
+
+
 def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS (and mutual TLS) server credentials, every file checked now: a bad one stops the start."""
     if not s.tls_cert and not s.tls_key:
         if s.tls_client_ca:
             raise SystemExit("qkv: --tls-client-ca needs --tls-cert and --tls-key")
@@ -312,30 +336,37 @@ def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
     if not (s.tls_cert and s.tls_key):
         raise SystemExit("qkv: --tls-cert and --tls-key go together")
     cert, key = _read(s.tls_cert, "TLS certificate"), _read(s.tls_key, "TLS key")
-    if b"CERTIFICATE" not in cert:
-        raise SystemExit(f"qkv: {s.tls_cert} holds no PEM certificate")
-    if b"PRIVATE KEY" not in key:
-        raise SystemExit(f"qkv: {s.tls_key} holds no PEM private key")
+    if b"-----BEGIN CERTIFICATE-----" not in cert:
+        raise SystemExit(f"qkv: TLS certificate {s.tls_cert} holds no PEM certificate")
+    if b"PRIVATE KEY-----" not in key:
+        raise SystemExit(f"qkv: TLS key {s.tls_key} holds no PEM private key")
     _check_key_matches(cert, key, s)
-    ca = _read(s.tls_client_ca, "client CA") if s.tls_client_ca else None
+    ca = None
+    if s.tls_client_ca:
+        ca = _read(s.tls_client_ca, "client CA")
+        try:
+            x509.load_pem_x509_certificates(ca)
+        except ValueError as e:
+            raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:
-    """Refuse a key that does not belong to the certificate (gRPC would only fail at handshake)."""
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
-    except ImportError:  # optional: without it, a mismatch shows at the first handshake
-        return
+    """Refuse a certificate or key that does not parse, or a key not of the certificate.
+
+    gRPC itself would only fail at the first handshake, long after the start looked fine.
+    """
     try:
         public = x509.load_pem_x509_certificate(cert).public_key()
-        private = serialization.load_pem_private_key(key, password=None)
     except ValueError as e:
-        raise SystemExit(f"qkv: cannot parse {s.tls_cert} / {s.tls_key}: {e}") from None
+        raise SystemExit(f"qkv: cannot parse TLS certificate {s.tls_cert}: {e}") from None
+    try:
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # TypeError: the key is encrypted
+        raise SystemExit(f"qkv: cannot parse TLS key {s.tls_key}: {e}") from None
     fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     if public.public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
-        raise SystemExit(f"qkv: {s.tls_key} is not the private key of {s.tls_cert}")
+        raise SystemExit(f"qkv: TLS key {s.tls_key} is not the private key of certificate {s.tls_cert}")
 
 
 class Server:
@@ -343,7 +374,10 @@ class Server:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.metrics = Metrics()
+        # TLS files and tokens first: a bad one stops the start before any model loads.
+        self._credentials = _credentials(settings)
+        self._tokens = _tokens(settings)
+        self.metrics = Metrics(enabled=settings.metrics)
         self.models = load_models(settings, self.metrics)
         self.draining = False
         self.active = 0  # requests inside a model right now
@@ -374,13 +408,8 @@ class Server:
 
     async def start(self) -> None:
         s = self.settings
-        credentials = _credentials(s)
-        interceptors = []
-        if s.auth_token_file:
-            tokens = [t.strip() for t in _read(s.auth_token_file, "token file").decode().splitlines() if t.strip()]
-            if not tokens:
-                raise SystemExit(f"qkv: {s.auth_token_file} holds no token")
-            interceptors.append(TokenAuth(tokens))
+        credentials = self._credentials
+        interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -388,14 +417,21 @@ class Server:
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
         )
         address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
-        self.grpc_port = (
-            server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        )
+        try:
+            self.grpc_port = (
+                server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+            )
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise SystemExit(f"qkv: cannot bind the gRPC port {address}: {e}") from None
+        if s.metrics_port >= 0:
+            metrics_host = s.metrics_host or s.host
+            try:
+                self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port)
+            except OSError as e:
+                raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
         for m in self.models.values():
             (m.batcher if isinstance(m, TensorModel) else m.scheduler).start()
         await server.start()
-        if s.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(s.metrics_host or s.host, s.metrics_port)
         for name in ["", *self.models]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 

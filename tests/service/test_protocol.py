@@ -244,3 +244,14 @@ def test_text_normalisation() -> None:
     assert normalize_word("c.o.d.") == "c.o.d."
     assert normalize_word("end.") == "end"
     assert normalize_word("--") == ""
+
+
+def test_too_many_bytes_elements_are_refused_before_decoding(server: RunningServer) -> None:
+    from service import protocol
+
+    req = protocol.ModelInferRequest(model_name="g2p")
+    req.inputs.add(name="TEXT", datatype="BYTES", shape=[1 << 20])
+    req.raw_input_contents.append(b"\x00\x00\x00\x00" * (1 << 20))
+    with grpc.insecure_channel(server.url) as ch, pytest.raises(grpc.RpcError) as e:
+        protocol.Stub(ch).ModelInfer(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "BYTES elements" in e.value.details()

@@ -1,0 +1,308 @@
+"""Reliability on a real server: overload, SIGKILL and restart, file descriptors, and a model that fails at run time.
+
+One temporary repository for the module: the shipped `g2p_encoder` graph with a small
+`max_queue_wait_ms` (so overload is refused early), and `gather`, a user tensor model whose graph
+fails inside onnxruntime for some inputs (a Gather whose indices come from the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from service import protocol
+from service.client import Client
+from service.loadgen import encoder_request, open_loop, summarise
+from tests.conftest import MODELS, start_server, stop_server
+
+SEQ = 256
+VOCAB = 33
+GATHER_TABLE = [10.0 * k for k in range(10)]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("reliability") / "models"
+    encoder = root / "g2p_encoder"
+    encoder.mkdir(parents=True)
+    (encoder / "1").symlink_to(MODELS / "g2p_encoder" / "1", target_is_directory=True)
+    config = json.loads((MODELS / "g2p_encoder" / "config.json").read_text())
+    config["batching"] = {"max_queue_wait_ms": 50}
+    (encoder / "config.json").write_text(json.dumps(config))
+    # gather: out[b, k] = table[idx[b, k]]; an index outside [-10, 9] fails inside onnxruntime
+    idx = helper.make_tensor_value_info("idx", TensorProto.INT64, ["batch", "k"])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "k"])
+    table = helper.make_tensor("table", TensorProto.FLOAT, [10], GATHER_TABLE)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "idx"], ["out"])], "gather", [idx], [out], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (root / "gather" / "1").mkdir(parents=True)
+    onnx.save(model, str(root / "gather" / "1" / "model.onnx"))
+    (root / "gather" / "config.json").write_text(json.dumps({"batching": {"enabled": False}}))  # a batch = a request
+    return root
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fixed_input() -> tuple[object, np.ndarray]:
+    """A fixed seq-256 encoder request and its expected last_hidden_state from onnxruntime directly."""
+    request = encoder_request(SEQ, VOCAB, np.random.default_rng(1234))
+    ids = np.frombuffer(request.raw_input_contents[0], np.int64).reshape(1, SEQ)
+    session = ort.InferenceSession(str(MODELS / "g2p_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    return request, expected
+
+
+def hidden_state(reply: object) -> np.ndarray:
+    tensor = reply.outputs[0]  # type: ignore[attr-defined]
+    assert tensor.name == "last_hidden_state" and tensor.datatype == "FP32"
+    return np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(tuple(tensor.shape))  # type: ignore[attr-defined]
+
+
+# --- (a) overload ----------------------------------------------------------------------------------
+
+
+def test_overload_is_refused_cleanly_and_admitted_requests_are_correct(repo: Path, tmp_path: Path) -> None:
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log")
+    try:
+        pid = s.process.pid
+        request, expected = fixed_input()
+        rng = np.random.default_rng(7)
+        big = [("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(s.url, options=big) as ch:  # warm-up: each batch size the load forms
+            stub = protocol.Stub(ch)
+            for rows in (1, 2, 4, 8, 16, 32, 1, 32):
+                ids = rng.integers(4, VOCAB, size=(rows, SEQ), dtype=np.int64)
+                warm = protocol.ModelInferRequest(model_name="g2p_encoder")
+                warm.inputs.add(name="input_ids", datatype="INT64", shape=[rows, SEQ])
+                warm.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, SEQ])
+                warm.raw_input_contents.extend([ids.tobytes(), np.ones_like(ids).tobytes()])
+                assert hidden_state(stub.ModelInfer(warm, timeout=30)).shape == (rows, SEQ, 192)
+            assert np.abs(hidden_state(stub.ModelInfer(request, timeout=30)) - expected).max() < 1e-4
+        time.sleep(0.5)
+        baseline = rss_kb(pid)
+
+        checked: Counter[str] = Counter()
+        worst = [0.0]
+
+        async def verify(rate: float, seconds: float) -> None:
+            """The fixed input at `rate`/s alongside the load; every admitted answer is compared."""
+            async with grpc.aio.insecure_channel(s.url) as channel:
+                stub = protocol.Stub(channel)
+
+                async def one() -> None:
+                    try:
+                        reply = await stub.ModelInfer(request, timeout=30)
+                    except grpc.aio.AioRpcError as e:
+                        checked[e.code().name] += 1
+                        return
+                    worst[0] = max(worst[0], float(np.abs(hidden_state(reply) - expected).max()))
+                    checked["OK"] += 1
+
+                t0, tasks = time.perf_counter(), []
+                for i in range(int(rate * seconds)):
+                    await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+                    tasks.append(asyncio.create_task(one()))
+                await asyncio.gather(*tasks)
+
+        async def load() -> dict[str, object]:
+            make = lambda i: (encoder_request(SEQ, VOCAB, np.random.default_rng(i)), SEQ, "load")  # noqa: E731
+            run, _ = await asyncio.gather(open_loop(s.url, make, rate=400, seconds=4.0), verify(40, 4.0))
+            return summarise(run)
+
+        summary = asyncio.run(load())
+        codes = dict(summary["codes"])  # type: ignore[call-overload]
+        time.sleep(1.0)  # let the load settle
+        after = rss_kb(pid)
+        print(
+            f"\noverload: load {codes}, ok {summary['rps']:.0f}/s, p99 {summary['p99_ms']:.0f} ms;"
+            f" verified {dict(checked)}, max |diff| {worst[0]:.2e};"
+            f" RSS {baseline / 1024:.0f} MiB -> {after / 1024:.0f} MiB"
+        )
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+        assert set(checked) <= {"OK", "RESOURCE_EXHAUSTED"}, checked
+        assert codes.get("RESOURCE_EXHAUSTED", 0) > codes.get("OK", 0) > 0  # far above capacity, still serving
+        assert checked["OK"] > 0 and worst[0] < 1e-4
+        assert summary["p99_ms"] < 5000  # type: ignore[operator]  # admitted requests do not sit in a long queue
+        assert after - baseline < 64 * 1024, (baseline, after)  # kB: back near the warmed-up size, no growth
+        assert s.process.poll() is None
+    finally:
+        stop_server(s)
+
+
+# --- (b) SIGKILL and restart -----------------------------------------------------------------------
+
+
+def test_the_client_rides_out_a_sigkill_and_restart(repo: Path, tmp_path: Path) -> None:
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log1")
+    port = s.url.rsplit(":", 1)[1]
+    request = encoder_request(8, VOCAB, np.random.default_rng(3))
+    calls: list[tuple[float, float, str]] = []  # (start, end, outcome)
+    stop = threading.Event()
+
+    def worker() -> None:
+        with Client(s.url, timeout=20) as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    reply = client.infer(request)
+                    outcome = "OK" if hidden_state(reply).shape == (1, 8, 192) else "WRONG"
+                except grpc.RpcError as e:
+                    outcome = e.code().name
+                calls.append((t0, time.monotonic(), outcome))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    restarted = None
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        s.process.kill()  # SIGKILL: no drain, connections cut mid-call
+        s.process.wait()
+        stop_server(s)
+        # while it is down, a call without retries fails at once: the retries below are what carries the client
+        with grpc.insecure_channel(s.url) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                protocol.Stub(ch).ModelInfer(request, timeout=2)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        time.sleep(0.5)
+        restarted = start_server(["--model-repository", str(repo), "--grpc-port", port], tmp_path / "log2")
+        back = time.monotonic()
+        assert restarted.url == s.url
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        if restarted is not None:
+            stop_server(restarted)
+        else:
+            stop_server(s)
+    outcomes = Counter(c[2] for c in calls)
+    interrupted = [c for c in calls if c[0] < killed and c[1] > back]  # in flight at the kill, done after restart
+    print(f"\nkill/restart: {dict(outcomes)}, {len(interrupted)} calls spanned the outage of {back - killed:.1f} s")
+    assert set(outcomes) == {"OK"}, outcomes
+    assert len(interrupted) >= 1
+    assert sum(1 for c in calls if c[0] > back) > 0  # and it keeps going afterwards
+
+
+# --- (c) file descriptors --------------------------------------------------------------------------
+
+
+def test_no_file_descriptor_leak_over_thousands_of_requests(repo: Path, tmp_path: Path) -> None:
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log")
+    pid = s.process.pid
+    good = encoder_request(4, VOCAB, np.random.default_rng(5))
+    bad = encoder_request(4, VOCAB, np.random.default_rng(5))
+    bad.inputs[1].shape[1] = 5  # type: ignore[attr-defined]  # INVALID_ARGUMENT
+
+    async def burst(n: int) -> Counter[str]:
+        """`n` requests on a fresh connection (opened and closed), mixed good and bad, some cancelled by deadline."""
+        out: Counter[str] = Counter()
+        async with grpc.aio.insecure_channel(s.url) as channel:
+            stub = protocol.Stub(channel)
+
+            async def one(i: int) -> None:
+                try:
+                    await stub.ModelInfer(bad if i % 5 == 0 else good, timeout=0.001 if i % 50 == 1 else 10)
+                    out["OK"] += 1
+                except grpc.aio.AioRpcError as e:
+                    out[e.code().name] += 1
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+        return out
+
+    async def many(connections: int, per: int) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for _ in range(connections):
+            total += await burst(per)
+        return total
+
+    try:
+        asyncio.run(many(3, 50))  # warm-up: threads, epoll, the first connections
+        time.sleep(0.5)
+        before = fds(pid)
+        codes = asyncio.run(many(30, 100))
+        time.sleep(1.0)  # closed connections are reaped
+        after = fds(pid)
+        print(f"\nfds: {before} before, {after} after {sum(codes.values())} requests on 30 connections {dict(codes)}")
+        assert sum(codes.values()) == 3000 and codes["OK"] > 2000 and codes["INVALID_ARGUMENT"] == 600
+        assert after <= before + 3, (before, after)
+    finally:
+        stop_server(s)
+
+
+# --- fault isolation -------------------------------------------------------------------------------
+
+
+def _gather(indices: list[int]) -> object:
+    req = protocol.ModelInferRequest(model_name="gather")
+    req.inputs.add(name="idx", datatype="INT64", shape=[1, len(indices)])
+    req.raw_input_contents.append(np.array([indices], np.int64).tobytes())
+    return req
+
+
+def test_a_runtime_failure_fails_only_its_batch_and_the_server_keeps_serving(repo: Path, tmp_path: Path) -> None:
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log")
+    try:
+        with grpc.insecure_channel(s.url) as ch:
+            stub = protocol.Stub(ch)
+            reply = stub.ModelInfer(_gather([1, 2, 9]), timeout=10)
+            assert gathered(reply).tolist() == [[10.0, 20.0, 90.0]]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(_gather([1, 20]), timeout=10)  # index 20 of a 10-entry table: onnxruntime fails
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "model 'gather' failed on this batch" in e.value.details()
+            assert gathered(stub.ModelInfer(_gather([3]), timeout=10)).tolist() == [[30.0]]
+
+        async def mixed() -> list[str]:
+            async with grpc.aio.insecure_channel(s.url) as channel:
+                stub = protocol.Stub(channel)
+
+                async def one(i: int) -> str:
+                    try:
+                        r = await stub.ModelInfer(_gather([99] if i % 4 == 0 else [i % 10]), timeout=10)
+                        return "OK" if gathered(r).tolist() == [[GATHER_TABLE[i % 10]]] else "WRONG"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+
+                return list(await asyncio.gather(*(one(i) for i in range(40))))
+
+        outcomes = asyncio.run(mixed())
+        assert [o for i, o in enumerate(outcomes) if i % 4 == 0] == ["INTERNAL"] * 10
+        assert [o for i, o in enumerate(outcomes) if i % 4] == ["OK"] * 30  # each of its own batch: unaffected
+        with grpc.insecure_channel(s.url) as ch:  # the other models never noticed
+            request, expected = fixed_input()
+            assert np.abs(hidden_state(protocol.Stub(ch).ModelInfer(request, timeout=30)) - expected).max() < 1e-4
+        assert s.process.poll() is None
+        log = s.output()
+        assert log.count("model 'gather': batch of 1 failed") == 11, log[-2000:]
+    finally:
+        stop_server(s)
+
+
+def gathered(reply: object) -> np.ndarray:
+    tensor = reply.outputs[0]  # type: ignore[attr-defined]
+    return np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(tuple(tensor.shape))  # type: ignore[attr-defined]
