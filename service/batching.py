@@ -144,8 +144,9 @@ class _Admission:
         self.queued_requests -= 1
         self.queued_tokens -= tokens
 
-    def measured(self, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
+    def measured(self, tokens: int, seconds: float, saturated: bool) -> None:
+        """A batch's throughput; only batches run while work was waiting say what capacity is."""
+        if seconds <= 0 or not saturated:
             return
         rate = tokens / seconds * self.instances
         self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
@@ -277,7 +278,7 @@ class DynamicBatcher:
             seconds = time.monotonic() - start
             real = sum(x.tokens for x in items)
             padded = sum(x.rows for x in items) * self.padded_length(items)
-            self.admission.measured(real, seconds)
+            self.admission.measured(real, seconds, saturated=bool(self.queue))
             self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
             for x, r in zip(items, results, strict=True):
                 if x.future.done():
@@ -475,7 +476,7 @@ class GenerationScheduler:
             seconds = time.monotonic() - start
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:
-                self.admission.measured(rows, seconds)
+                self.admission.measured(rows, seconds, saturated=bool(self.queue))
             for h in finished:
                 self._finish(h)
 

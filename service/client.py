@@ -4,8 +4,8 @@
     with Client("127.0.0.1:8001") as c:
         print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
 
-Calls retry on UNAVAILABLE (a restarting or draining server) with exponential backoff, within
-the call's deadline.
+Calls retry on UNAVAILABLE (a restarting or draining server) with exponential backoff, and on
+RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ from service.codec import decode_bytes, encode_bytes
 __all__ = ["AsyncClient", "Client", "g2p_outputs", "g2p_request", "health_check"]
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+PUSHBACK = "grpc-retry-pushback-ms"
+
+
+def _pause(error: grpc.RpcError, attempt: int) -> float | None:
+    """Seconds to wait before retrying `error`, or None when it is not retryable.
+
+    UNAVAILABLE (restarting, draining) backs off exponentially; RESOURCE_EXHAUSTED is retried only
+    when the server said how long to wait (grpc-retry-pushback-ms).
+    """
+    if error.code() in RETRYABLE:
+        return _backoff(attempt)
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        for key, value in error.trailing_metadata() or ():
+            if key == PUSHBACK:
+                return int(value) / 1e3 * (1 + random.random() / 4)
+    return None
 
 
 def g2p_request(texts: Sequence[str], model: str = "g2p", attention: bool = False, beam_size: int = 1) -> Any:
@@ -90,8 +106,8 @@ class Client:
                     request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
                 )
             except grpc.RpcError as e:
-                pause = _backoff(attempt)
-                if e.code() not in RETRYABLE or time.monotonic() + pause >= deadline:
+                pause = _pause(e, attempt)
+                if pause is None or time.monotonic() + pause >= deadline:
                     raise
                 time.sleep(pause)
                 attempt += 1
@@ -139,8 +155,8 @@ class AsyncClient:
                     request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
                 )
             except grpc.aio.AioRpcError as e:
-                pause = _backoff(attempt)
-                if e.code() not in RETRYABLE or time.monotonic() + pause >= deadline:
+                pause = _pause(e, attempt)
+                if pause is None or time.monotonic() + pause >= deadline:
                     raise
                 await asyncio.sleep(pause)
                 attempt += 1

@@ -95,3 +95,31 @@ def test_serve_flags_and_environment(tmp_path: Path) -> None:
     assert "grace_period=3.5" in text and "access_log=True" in text
     line = next(json.loads(x) for x in text.splitlines() if x.startswith("{"))
     assert line["model"] == "g2p" and line["code"] == "OK" and line["seq_len"] == 5
+
+
+def test_client_retries_refusals_that_carry_a_pushback_hint(tmp_path: Path) -> None:
+    """A tiny queue refuses most of a burst; the client waits out the hint and every call succeeds."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service import protocol
+    from service.client import g2p_request
+    from tests.conftest import MODELS
+
+    repo = tmp_path / "models"
+    shutil.copytree(MODELS, repo)
+    config = json.loads((repo / "g2p" / "config.json").read_text())
+    config["batching"] = {"max_queue_requests": 2}
+    (repo / "g2p" / "config.json").write_text(json.dumps(config))
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log")
+    try:
+        with grpc.insecure_channel(s.url) as ch:  # saturate once, so the server has measured its rate
+            stub = protocol.Stub(ch)
+            futures = [stub.ModelInfer.future(g2p_request(["transformer"] * 8), timeout=30) for _ in range(30)]
+            codes = {f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures}
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        with Client(s.url, timeout=60) as c, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: c.g2p(["transformer"] * 8), range(40)))
+        assert len(results) == 40 and all(len(r) == 8 for r in results)
+    finally:
+        stop_server(s)
