@@ -30,6 +30,7 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from service import loadgen
+from service.client import g2p_request
 from service.process import ServerProcess, start_server, stop_server
 from service.seq2seq import session_options
 
@@ -171,6 +172,14 @@ def _encoder_maker(lengths: Callable[[random.Random], int], vocab: int, seed: in
     return make
 
 
+def _words_maker(words: list[str], per_request: int) -> loadgen.MakeRequest:
+    def make(i: int) -> tuple[Any, int, str]:
+        chunk = [words[(i * per_request + k) % len(words)] for k in range(per_request)]
+        return g2p_request(chunk), max(map(len, chunk)), ""
+
+    return make
+
+
 def _word_maker(words: list[str], tag: Callable[[str], str] = lambda w: "") -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         w = words[i % len(words)]
@@ -289,14 +298,19 @@ def _overload_section(servers: _Servers, vocab: int, seconds: float, results: di
 
 
 def _g2p_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
-    # 4. g2p words, concurrency 64: batched vs batching off.
-    s = servers.start()
-    batched = loadgen.summarise(_closed(s.url, _word_maker(words), 64, seconds, "g2p batched"))
-    servers.stop(s)
-    s = servers.start({"g2p": {"batching": {"enabled": False}}})
-    alone = loadgen.summarise(_closed(s.url, _word_maker(words), 64, seconds, "g2p unbatched"))
-    servers.stop(s)
-    results["g2p_c64"] = {"batched": batched, "unbatched": alone, "ratio": batched["rps"] / alone["rps"]}
+    # 4. g2p test words, concurrency 64: batched vs batching off; one word a request, and eight.
+    for per_request, key in ((1, "g2p_c64"), (8, "g2p_c64_8words")):
+        make = _words_maker(words, per_request)
+        s = servers.start()
+        batched = loadgen.summarise(_closed(s.url, make, 64, seconds, f"g2p batched x{per_request}"))
+        servers.stop(s)
+        s = servers.start({"g2p": {"batching": {"enabled": False}}})
+        alone = loadgen.summarise(_closed(s.url, make, 64, seconds, f"g2p unbatched x{per_request}"))
+        servers.stop(s)
+        results[key] = {"words_per_request": per_request, "batched": batched, "unbatched": alone,
+                        "words_per_s": {"batched": batched["rps"] * per_request,
+                                        "unbatched": alone["rps"] * per_request},
+                        "ratio": batched["rps"] / alone["rps"]}  # fmt: skip
 
 
 def _continuous_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:

@@ -44,6 +44,7 @@ access = logging.getLogger("qkv.access")
 Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
+SWITCH_INTERVAL_S = 0.0005
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
 
 
@@ -459,6 +460,9 @@ class Server:
 
 
 async def _serve(settings: ServerSettings) -> int:
+    # Hand the GIL over sooner (default 5 ms): the event loop answers RPCs while decoding threads
+    # run the Python parts of their steps.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = Server(settings)
     await server.start()
     stop = asyncio.Event()
