@@ -347,6 +347,46 @@ def _metrics_section(servers: _Servers, vocab: int, seconds: float, results: dic
     results["metrics_overhead"] = {"rps_on": rates["on"], "rps_off": rates["off"], "overhead": 1 - on / off}
 
 
+def _rss_and_fds(pid: int) -> tuple[int, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+    return rss, len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def soak(models: Path, out: Path, requests: int, concurrency: int = 16) -> dict[str, Any]:
+    """`requests` requests of mixed lengths (encoder 4..256, g2p test words); memory and fds before/after."""
+    vocab, words = _vocab(models), _test_words()
+    enc = _encoder_maker(lambda r: r.randint(4, 256), vocab, 3)
+    g2p = _word_maker(words)
+
+    def make(i: int) -> tuple[Any, int, str]:
+        return enc(i) if i % 2 else g2p(i)
+
+    scratch = Path(tempfile.mkdtemp(prefix="qkv-soak-"))
+    s = start_server(["--model-repository", str(models)], scratch / "server.log")
+    try:
+        warm = asyncio.run(loadgen.closed_loop(s.url, make, concurrency, 5.0))
+        before = _rss_and_fds(s.process.pid)
+        done: list[loadgen.Run] = []
+        with tqdm(total=requests, desc="soak", unit="req") as bar:
+            while sum(len(r.samples) for r in done) < requests:
+                done.append(asyncio.run(loadgen.closed_loop(s.url, make, concurrency, 10.0, progress=bar.update)))
+        after = _rss_and_fds(s.process.pid)
+    finally:
+        stop_server(s)
+        shutil.rmtree(scratch, ignore_errors=True)
+    codes: dict[str, int] = {}
+    for r in done:
+        for x in r.samples:
+            codes[x.code] = codes.get(x.code, 0) + 1
+    result = {"requests": sum(codes.values()), "codes": codes, "warm_up_requests": len(warm.samples),
+              "rss_before_mb": before[0] / 2**20, "rss_after_mb": after[0] / 2**20,
+              "rss_growth": after[0] / before[0] - 1, "fds_before": before[1], "fds_after": after[1]}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
 def _cpus() -> int:
     import os
 
@@ -484,6 +524,7 @@ def main(argv: list[str]) -> int:
         prog="qkv bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--suite", action="store_true", help="run every BENCHMARKS.md target (starts its own servers)")
+    parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -495,6 +536,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"suite sections: {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.soak:
+        r = soak(args.model_repository, args.out, args.soak)
+        print(
+            f"soak: {r['requests']} requests {r['codes']}; RSS {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} MB "
+            f"({r['rss_growth']:+.1%}); fds {r['fds_before']} -> {r['fds_after']}"
+        )
+        return 0
     if args.suite:
         results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))
         print(targets_table(results))
