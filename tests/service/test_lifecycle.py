@@ -140,3 +140,21 @@ def test_sigterm_under_load_answers_every_admitted_request(tmp_path: Path) -> No
     assert set(outcomes) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}, set(outcomes)
     assert outcomes.count("OK") > 0 and outcomes.count("UNAVAILABLE") > 0
     assert flipped and flipped[0] != health_pb2.HealthCheckResponse.SERVING
+
+
+def test_device_cuda_falls_back_to_cpu_with_one_log_line(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has CUDA: the fallback does not apply")
+    s = start_server(["--device", "cuda"], tmp_path / "log")
+    try:
+        import tritonclient.grpc as g
+
+        c = g.InferenceServerClient(s.url)
+        assert "CPUExecutionProvider" in c.get_model_metadata("g2p_encoder").platform
+        assert c.get_model_config("g2p").config.parameters["provider"].string_value == "CPUExecutionProvider"
+    finally:
+        stop_server(s)
+    lines = [x for x in s.output().splitlines() if "falling back to CPUExecutionProvider" in x]
+    assert len(lines) == 1
