@@ -387,6 +387,54 @@ def soak(models: Path, out: Path, requests: int, concurrency: int = 16) -> dict[
     return result
 
 
+def perf_analyzer_crosscheck(binary: Path, models: Path, out: Path, seconds: float = 6.0) -> dict[str, Any]:
+    """Triton's perf_analyzer (C++) and `qkv bench` on the same server: g2p_encoder, seq 64, c32.
+
+    perf_analyzer ships in the tritonclient==2.41.0 wheel; on a CPU-only machine it needs
+    `apt-get install libb64-0d` and libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel) on
+    LD_LIBRARY_PATH. It is given valid token ids with --input-data.
+    """
+    import subprocess
+
+    vocab, rng = _vocab(models), random.Random(0)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"data": [{"input_ids": {"content": [rng.randrange(4, vocab) for _ in range(64)], "shape": [64]},
+                      "attention_mask": {"content": [1] * 64, "shape": [64]}} for _ in range(16)]}  # fmt: skip
+    (out / "perf_analyzer_input.json").write_text(json.dumps(data))
+    scratch = Path(tempfile.mkdtemp(prefix="qkv-pa-"))
+    s = start_server(["--model-repository", str(models)], scratch / "server.log")
+    try:
+        cmd = [
+            str(binary),
+            "-m",
+            "g2p_encoder",
+            "-i",
+            "grpc",
+            "-u",
+            s.url,
+            "-b",
+            "1",
+            "--concurrency-range",
+            "32",
+            "--input-data",
+            str(out / "perf_analyzer_input.json"),
+            "--measurement-interval",
+            str(int(seconds * 1000)),
+        ]
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+        (out / "perf_analyzer.txt").write_text(text)
+        found = re.search(r"Concurrency: 32, throughput: ([\d.]+) infer/sec", text)
+        ours = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 64, vocab), 32, seconds, "qkv bench c32"))
+    finally:
+        stop_server(s)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "perf_analyzer_rps": float(found.group(1)) if found else None,
+        "qkv_bench_rps": ours["rps"],
+        "qkv_bench_client_cpu_share": ours["client_cpu_share"],
+    }
+
+
 def _cpus() -> int:
     import os
 
@@ -524,6 +572,7 @@ def main(argv: list[str]) -> int:
         prog="qkv bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--suite", action="store_true", help="run every BENCHMARKS.md target (starts its own servers)")
+    parser.add_argument("--perf-analyzer", type=Path, metavar="BIN", help="cross-check with Triton's perf_analyzer")
     parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
@@ -536,6 +585,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"suite sections: {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.perf_analyzer:
+        r = perf_analyzer_crosscheck(args.perf_analyzer, args.model_repository, args.out, args.seconds)
+        print(json.dumps(r))
+        return 0
     if args.soak:
         r = soak(args.model_repository, args.out, args.soak)
         print(

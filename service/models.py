@@ -51,6 +51,12 @@ class ModelStats:
     execution_count: int = 0  # batch runs
     last_inference_ms: int = 0
     batches: dict[int, list[int]] = field(default_factory=dict)  # batch size -> [count, compute ns]
+    request_compute_ns: int = 0  # summed over requests: each counts its whole batch, as Triton does
+
+    def account_request(self, item: WorkItem) -> None:
+        started = item.started or item.arrived
+        self.queue_ns += int((started - item.arrived) * 1e9)
+        self.request_compute_ns += int((time.monotonic() - started) * 1e9)
 
 
 def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
@@ -183,6 +189,7 @@ class TensorModel:
             deadline=deadline,
         )
         result: dict[str, np.ndarray] = await self.batcher.submit(item)
+        self.stats.account_request(item)
         tokens = n * length
         return Result(result, length, tokens, 0)
 
@@ -349,6 +356,7 @@ class G2PModel:
         )
         t0 = time.perf_counter_ns()
         hyps: list[Hypothesis] = await self.scheduler.submit(item)
+        self.stats.account_request(item)
         self._account(len(sources), time.perf_counter_ns() - t0)
         decoded = [self.phonemes.decode(h.output) for h in hyps]
         joined, k = [], 0

@@ -173,7 +173,10 @@ class InferenceService:
             i.success.CopyFrom(_duration(s.success_count, s.success_ns))
             i.fail.CopyFrom(_duration(s.fail_count, s.fail_ns))
             i.queue.CopyFrom(_duration(s.success_count, s.queue_ns))
-            i.compute_infer.CopyFrom(_duration(s.execution_count, s.compute_ns))
+            # Per request, as Triton counts them (perf_analyzer needs the three compute counts equal).
+            i.compute_input.CopyFrom(_duration(s.success_count, 0))
+            i.compute_infer.CopyFrom(_duration(s.success_count, s.request_compute_ns))
+            i.compute_output.CopyFrom(_duration(s.success_count, 0))
             for size, (count, ns) in sorted(s.batches.items()):
                 stats.batch_stats.add(batch_size=size, compute_infer=_duration(count, ns))
         return response
