@@ -240,6 +240,24 @@ def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] =
     return results
 
 
+def _bare_round_trip_ms(url: str, n: int = 500) -> float:
+    """p50 of ServerLive over the same kind of channel: the part of the overhead that is gRPC itself."""
+    import grpc
+
+    from service import protocol
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(url) as ch:
+            stub, times = protocol.Stub(ch), []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await stub.ServerLive(protocol.ServerLiveRequest(), timeout=5)
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times)) * 1e3
+
+    return asyncio.run(run())
+
+
 def _ceiling_section(servers: _Servers, encoder: Path, vocab: int, seconds: float, results: dict[str, Any]) -> None:
     # 1. g2p_encoder seq 64, concurrency 32, against the raw onnxruntime ceiling.
     ceiling = raw_ceiling(encoder, 64, vocab)
@@ -251,8 +269,10 @@ def _ceiling_section(servers: _Servers, encoder: Path, vocab: int, seconds: floa
     # 7. concurrency 1, seq 16: served p50 minus in-process p50.
     lone = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 1, seconds / 2, "c1 seq16"))
     compute = in_process_latency(encoder, 16, vocab)
+    bare = _bare_round_trip_ms(s.url)
     results["encoder_seq16_c1"] = {"served_p50_ms": lone["p50_ms"], "compute_p50_ms": compute * 1e3,
-                                   "overhead_ms": lone["p50_ms"] - compute * 1e3}  # fmt: skip
+                                   "overhead_ms": lone["p50_ms"] - compute * 1e3,
+                                   "bare_grpc_round_trip_p50_ms": bare}  # fmt: skip
     # Concurrency sweep for the throughput plot.
     sweep = {}
     for c in (1, 4, 16, 64):
