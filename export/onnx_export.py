@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from export import data
-from export.checkpoint import Loaded, TorchStepModel, load_checkpoint
+from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint
 from export.model import DecoderStep, EncoderGraph, Transformer
 from service.generation import greedy_decode, pad_ids
 from service.seq2seq import (
@@ -205,6 +205,7 @@ def write_repository(
         "task": "English grapheme-to-phoneme, CMU Pronouncing Dictionary (ARPAbet with stress digits)",
         "config": state["config"],
         "parameters": state["parameters"],
+        "averaged_checkpoint_steps": state.get("averaged_steps"),
         "training": {
             "hours": round(state["elapsed_s"] / 3600, 3),
             "epochs": state["epoch"],
@@ -258,14 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="qkv export", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("checkpoints/g2p/best.pt"))
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        nargs="*",
+        default=[Path("checkpoints/g2p/best.pt")],
+        help="a checkpoint, or several of one run to export their averaged weights",
+    )
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--parity-words", type=int, default=1000, help="test words decoded by both runtimes")
     parser.add_argument("--no-evaluate", action="store_true", help="skip the test-split WER/PER of the export")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_checkpoint(args.checkpoint, max_len=MAX_SEQUENCE_LENGTH)
+    if len(args.checkpoint) > 1:
+        loaded = average_checkpoints(args.checkpoint, max_len=MAX_SEQUENCE_LENGTH)
+    else:
+        loaded = load_checkpoint(args.checkpoint[0], max_len=MAX_SEQUENCE_LENGTH)
     words = random.Random(0).sample(data.read_split("test"), args.parity_words)
     config = write_repository(loaded, args.model_repository, words)
     print(f"parity: {config['model_card']['parity']}")

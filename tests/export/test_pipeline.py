@@ -86,3 +86,16 @@ def test_beam_search_is_at_least_as_likely_as_greedy(tiny_checkpoint: Path) -> N
     beams = beam_search(model, sources, 4, 30)
     better = sum(b.score >= g.score / max(1, len(g.tokens) - 1) - 1e-6 for b, g in zip(beams, greedy, strict=True))
     assert better == len(sources)
+
+
+def test_averaged_checkpoints_are_the_mean_of_their_weights(tiny_checkpoint: Path) -> None:
+    import torch
+
+    from export.checkpoint import average_checkpoints
+
+    paths = [tiny_checkpoint, tiny_checkpoint.parent / "last.pt"]
+    avg = average_checkpoints(paths)
+    a, b = (load_checkpoint(p).model.state_dict() for p in paths)
+    for key, value in avg.model.state_dict().items():
+        assert torch.allclose(value, (a[key] + b[key]) / 2, atol=1e-6), key
+    assert len(avg.state["averaged"]) == 2
