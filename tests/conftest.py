@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from service.process import ServerProcess, stop_server
 from service.process import start_server as _start
@@ -14,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 RunningServer = ServerProcess
 
-__all__ = ["MODELS", "ROOT", "RunningServer", "start_server", "stop_server"]
+__all__ = ["MODELS", "ROOT", "RunningServer", "scale_model", "start_server", "stop_server"]
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 60) -> ServerProcess:
@@ -22,6 +24,18 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, 
     if "--model-repository" not in args:
         args = ["--model-repository", str(MODELS), *args]
     return _start(args, log, env, timeout, cwd=ROOT)
+
+
+def scale_model(directory: Path) -> None:
+    """A user's model for the tests. `scale`: y = x * [1, 2, 3], x FP32 [batch, 3]."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "scale", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (directory / "1").mkdir(parents=True)
+    onnx.save(model, str(directory / "1" / "model.onnx"))
 
 
 @pytest.fixture(scope="session")

@@ -17,16 +17,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
 
 from service import protocol
 from service.client import g2p_outputs, g2p_request
 from service.codec import CONTENTS_FIELD, NUMPY_DTYPES, encode_bytes
-from tests.conftest import MODELS, RunningServer, start_server, stop_server
+from tests.conftest import MODELS, RunningServer, scale_model, start_server, stop_server
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 TIMEOUT = 10.0  # a call that takes this long counts as a hang
@@ -38,18 +36,6 @@ OUTPUT_NAMES = ["PHONEMES", "ATTENTION", "last_hidden_state", "y", "nope", ""]
 HUGE = [2**31, 2**32 + 1, 2**40, 2**62, 2**63 - 1]
 WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz'-.", min_size=1, max_size=12)
 SEEN: Counter[str] = Counter()
-
-
-def scale_model(directory: Path) -> None:
-    """`scale`: y = x * [1, 2, 3], x FP32 [batch, 3]."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])
-    w = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
-    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "scale", [x], [y], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    (directory / "1").mkdir(parents=True)
-    onnx.save(model, str(directory / "1" / "model.onnx"))
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from onnx import TensorProto, helper
 
 from service import protocol
 from service.client import g2p_request
-from tests.conftest import MODELS, ROOT, start_server, stop_server
+from tests.conftest import MODELS, ROOT, scale_model, start_server, stop_server
 
 
 def copy_repository(tmp_path: Path) -> Path:
@@ -71,14 +69,7 @@ def test_bad_config_stops_the_start(tmp_path: Path) -> None:
 
 def test_a_users_onnx_model_is_served_from_its_graph(tmp_path: Path) -> None:
     """models/NAME/1/model.onnx without any config: inputs/outputs come from the graph."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])
-    w = helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
-    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "scale", [x], [y], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    (tmp_path / "repo" / "scale" / "1").mkdir(parents=True)
-    onnx.save(model, str(tmp_path / "repo" / "scale" / "1" / "model.onnx"))
+    scale_model(tmp_path / "repo" / "scale")
     s = start_server(["--model-repository", str(tmp_path / "repo")], tmp_path / "log")
     try:
         import tritonclient.grpc as g
