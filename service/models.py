@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import string
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -103,20 +103,11 @@ class TensorModel:
         }
         self._seq_names.discard(None)
         self.max_sequence_length = int(config.limits.get("max_sequence_length", 0))
-        self.vocab_size = (
-            {k: int(v) for k, v in config.limits.get("vocab_size", {}).items()}
-            if isinstance(config.limits.get("vocab_size"), dict)
-            else {}
-        )
-        b = config.batching
-        if not self.batchable:
-            from dataclasses import replace
-
-            b = replace(b, enabled=False, max_batch_size=1)
+        # input name -> vocabulary size: token ids must lie in [0, size)
+        self.vocab_size = {k: int(v) for k, v in (config.limits.get("vocab_size") or {}).items()}
+        b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
-        self.batcher = DynamicBatcher(
-            self.name, b, self._run_batch, len(runtime.sessions), observer, padded_length=self._padded_length
-        )
+        self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:
@@ -145,9 +136,6 @@ class TensorModel:
                 dims[self.sequence_axis - 1] = -1
             key.append((s.name, tuple(dims)))
         return tuple(key)
-
-    def _padded_length(self, items: list[WorkItem]) -> int:
-        return max(x.length for x in items)
 
     async def infer(
         self, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any], deadline: float | None

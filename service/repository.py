@@ -52,7 +52,7 @@ class ModelConfig:
     inter_op_threads: int = 1
     optimization: str = "all"  # onnxruntime graph optimisation level: disable, basic, extended, all
     sequence_axis: int | None = None  # tensor models: the axis padded when batching different lengths
-    limits: dict[str, int] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)  # per kind: lengths, sizes, vocab_size per input
     card: dict[str, Any] = field(default_factory=dict)
 
 
