@@ -46,6 +46,8 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
 SWITCH_INTERVAL_S = 0.0005
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
+# The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
+OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
@@ -298,7 +300,9 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if not details.method.startswith(f"/{protocol.SERVICE_NAME}/") or self._allowed(details.invocation_metadata):
+        if details.method in OPEN_METHODS or not details.method.startswith(f"/{protocol.SERVICE_NAME}/"):
+            return await continuation(details)
+        if self._allowed(details.invocation_metadata):
             return await continuation(details)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:

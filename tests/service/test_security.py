@@ -118,10 +118,14 @@ def test_inference_needs_a_valid_bearer_token(token_server: RunningServer) -> No
             assert code_of(lambda m=metadata: stub.ModelInfer(request, timeout=10, metadata=m)) == (
                 grpc.StatusCode.UNAUTHENTICATED
             ), metadata
-        # every RPC of the inference service is guarded, not only ModelInfer
+        # every RPC of the inference service is guarded, not only ModelInfer ...
         assert code_of(lambda: stub.ServerMetadata(protocol.ServerMetadataRequest(), timeout=5)) == (
             grpc.StatusCode.UNAUTHENTICATED
         )
+        # ... but the protocol's liveness and readiness probes, which carry no token
+        assert stub.ServerLive(protocol.ServerLiveRequest(), timeout=5).live
+        assert stub.ServerReady(protocol.ServerReadyRequest(), timeout=5).ready
+        assert stub.ModelReady(protocol.ModelReadyRequest(name="g2p"), timeout=5).ready
         for token in TOKENS:  # each line of the file is a token; surrounding spaces do not count
             reply = stub.ModelInfer(request, timeout=10, metadata=[("authorization", f"Bearer {token}")])
             assert reply.outputs[0].name == "PHONEMES" and reply.raw_output_contents[0]
