@@ -13,10 +13,9 @@ from export.onnx_export import write_repository
 from export.train import TrainConfig, train
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    config = TrainConfig(
+def tiny(out: Path, epochs: int) -> TrainConfig:
+    """A model small enough to train for a couple of epochs in seconds."""
+    return TrainConfig(
         out=str(out),
         d_model=32,
         h=2,
@@ -24,14 +23,18 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         n_decoder=1,
         d_ff=64,
         max_tokens=2000,
-        epochs=2,
+        epochs=epochs,
         train_words=2000,
         dev_words=100,
         warmup=20,
         decay_start=40,
         lr=3e-3,
     )
-    return train(config)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tiny(tmp_path_factory.mktemp("tiny"), epochs=2))
 
 
 def test_training_writes_resumable_checkpoints(tiny_checkpoint: Path) -> None:
@@ -39,20 +42,7 @@ def test_training_writes_resumable_checkpoints(tiny_checkpoint: Path) -> None:
     assert state["epoch"] == 2 and state["step"] > 0
     assert len(state["history"]) == 2
     assert state["history"][1]["loss"] < state["history"][0]["loss"]  # it learns
-    more = TrainConfig(
-        out=str(tiny_checkpoint.parent),
-        d_model=32,
-        h=2,
-        n_encoder=1,
-        n_decoder=1,
-        d_ff=64,
-        max_tokens=2000,
-        epochs=3,
-        train_words=2000,
-        dev_words=100,
-        warmup=20,
-        decay_start=40,
-    )
+    more = tiny(tiny_checkpoint.parent, epochs=3)
     train(more, resume=True)
     resumed = load_checkpoint(tiny_checkpoint.parent / "last.pt").state
     assert resumed["epoch"] == 3 and resumed["step"] > state["step"]
