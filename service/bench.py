@@ -385,12 +385,14 @@ def soak(models: Path, out: Path, requests: int, concurrency: int = 16) -> dict[
     scratch = Path(tempfile.mkdtemp(prefix="qkv-soak-"))
     s = start_server(["--model-repository", str(models)], scratch / "server.log")
     try:
-        warm = asyncio.run(loadgen.closed_loop(s.url, make, concurrency, 5.0))
+        warm = asyncio.run(loadgen.closed_loop(s.url, make, concurrency, 15.0))
         before = _rss_and_fds(s.process.pid)
         done: list[loadgen.Run] = []
+        series = []  # (requests so far, RSS MB): a leak keeps climbing, an allocator settles
         with tqdm(total=requests, desc="soak", unit="req") as bar:
             while sum(len(r.samples) for r in done) < requests:
                 done.append(asyncio.run(loadgen.closed_loop(s.url, make, concurrency, 10.0, progress=bar.update)))
+                series.append((sum(len(r.samples) for r in done), _rss_and_fds(s.process.pid)[0] / 2**20))
         after = _rss_and_fds(s.process.pid)
     finally:
         stop_server(s)
@@ -401,7 +403,8 @@ def soak(models: Path, out: Path, requests: int, concurrency: int = 16) -> dict[
             codes[x.code] = codes.get(x.code, 0) + 1
     result = {"requests": sum(codes.values()), "codes": codes, "warm_up_requests": len(warm.samples),
               "rss_before_mb": before[0] / 2**20, "rss_after_mb": after[0] / 2**20,
-              "rss_growth": after[0] / before[0] - 1, "fds_before": before[1], "fds_after": after[1]}  # fmt: skip
+              "rss_growth": after[0] / before[0] - 1, "fds_before": before[1], "fds_after": after[1],
+              "rss_series_mb": series}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     return result
