@@ -157,19 +157,25 @@ class _Admission:
         return max(1, int((self.queued_tokens + tokens) / self.tokens_per_second * 1e3))
 
 
-def _refuse_if_gone(item: WorkItem, now: float, observer: BatchObserver) -> bool:
-    """Fail a request whose client left or whose deadline passed; True when it was refused."""
-    if item.future.done():
-        return True
+def _why_gone(item: WorkItem, now: float, observer: BatchObserver) -> ServingError | None:
+    """The error for a queued request whose client left or whose deadline passed (counted), else None."""
     if item.cancelled:
         observer.dropped("cancelled")
-        item.future.set_exception(Cancelled("the client cancelled the request"))
-        return True
+        return Cancelled("the client cancelled the request")
     if item.deadline is not None and now >= item.deadline:
         observer.dropped("deadline")
-        item.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+        return DeadlineExceeded("the request's deadline passed while it was queued")
+    return None
+
+
+def _refuse_if_gone(item: WorkItem, now: float, observer: BatchObserver) -> bool:
+    """On the event loop: fail a request that is gone; True when it was refused."""
+    if item.future.done():
         return True
-    return False
+    error = _why_gone(item, now, observer)
+    if error is not None:
+        item.future.set_exception(error)
+    return error is not None
 
 
 class DynamicBatcher:
@@ -182,7 +188,6 @@ class DynamicBatcher:
         run_batch: Callable[[list[WorkItem], int], list[Any]],
         instances: int = 1,
         observer: BatchObserver | None = None,
-        padded_length: Callable[[list[WorkItem]], int] | None = None,
     ) -> None:
         self.name, self.config, self.run_batch = name, config, run_batch
         self.instances = max(1, instances)
@@ -194,7 +199,6 @@ class DynamicBatcher:
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
         self._busy = 0  # instances computing right now
-        self.padded_length = padded_length or (lambda items: max(i.length for i in items))
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._work(i)) for i in range(self.instances)]
@@ -277,7 +281,7 @@ class DynamicBatcher:
                 self._busy -= 1
             seconds = time.monotonic() - start
             real = sum(x.tokens for x in items)
-            padded = sum(x.rows for x in items) * self.padded_length(items)
+            padded = sum(x.rows for x in items) * max(x.length for x in items)
             self.admission.measured(real, seconds, saturated=bool(self.queue))
             self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
             for x, r in zip(items, results, strict=True):
@@ -380,14 +384,8 @@ class GenerationScheduler:
         self.observer.queue_depth(len(self.queue))
 
     def _gone(self, item: WorkItem, now: float) -> bool:
-        """Refuse a request whose client left or whose deadline passed (under the lock)."""
-        error: ServingError | None = None
-        if item.cancelled:
-            self.observer.dropped("cancelled")
-            error = Cancelled("the client cancelled the request")
-        elif item.deadline is not None and now >= item.deadline:
-            self.observer.dropped("deadline")
-            error = DeadlineExceeded("the request's deadline passed while it was queued")
+        """On a decoding thread, under the lock: refuse a request that is gone; True when it was refused."""
+        error = _why_gone(item, now, self.observer)
         if error is None:
             return False
         self._pop(item)
