@@ -179,7 +179,12 @@ def _refuse_if_gone(item: WorkItem, now: float, observer: BatchObserver) -> bool
 
 
 class DynamicBatcher:
-    """Per-model queue of tensor requests, drained by one worker per model instance."""
+    """Per-model queue of tensor requests; one dispatcher hands batches to idle model instances.
+
+    Idle instances are a stack: the one that finished last is used first, so at low load one
+    instance (its thread, its core's caches, its onnxruntime arena) does the work while warm,
+    instead of requests alternating between instances that have gone cold.
+    """
 
     def __init__(
         self,
@@ -196,12 +201,13 @@ class DynamicBatcher:
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
         self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(self.instances)]
-        self._workers: list[asyncio.Task[None]] = []
+        self._idle = list(range(self.instances - 1, -1, -1))  # a stack: instance 0 on top
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._busy = 0  # instances computing right now
 
     def start(self) -> None:
-        self._workers = [asyncio.create_task(self._work(i)) for i in range(self.instances)]
+        self._dispatcher = asyncio.create_task(self._dispatch())
 
     async def submit(self, item: WorkItem) -> Any:
         """Queue `item` and wait for its result; raises a ServingError on refusal or failure."""
@@ -214,8 +220,15 @@ class DynamicBatcher:
         try:
             return await item.future
         except asyncio.CancelledError:
-            item.cancelled = True  # the worker skips it if it has not started
+            self._withdraw(item)
             raise
+
+    def _withdraw(self, item: WorkItem) -> None:
+        """The client left: a request still queued leaves the queue now; a running one is let finish."""
+        item.cancelled = True
+        if item in self.queue:
+            self._take([self.queue.index(item)])
+            self.observer.dropped("cancelled")
 
     def _take(self, indices: list[int]) -> list[WorkItem]:
         taken = [self.queue[i] for i in indices]
@@ -238,7 +251,7 @@ class DynamicBatcher:
         A partial batch waits for company only while another instance is computing: then more
         requests are on their way. On an idle server it goes at once (no added latency).
         """
-        if not self.config.enabled or self._busy == 0:
+        if not self.config.enabled or len(self._idle) == self.instances:
             return 0.0
         rows = sum(x.rows for x in self.queue)
         longest = max(x.length for x in self.queue)
@@ -246,59 +259,64 @@ class DynamicBatcher:
             return 0.0
         return max(0.0, self.queue[0].arrived + self.config.max_queue_delay_ms / 1e3 - time.monotonic())
 
-    async def _work(self, instance: int) -> None:
-        loop = asyncio.get_running_loop()
+    async def _wait(self, seconds: float | None = None) -> None:
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), seconds)
+
+    async def _dispatch(self) -> None:
         while True:
             self._prune()
-            if not self.queue:
-                self._changed.clear()
-                await self._changed.wait()
+            if not self.queue or not self._idle:
+                await self._wait()  # a new request or a finished batch sets it
                 continue
             wait = self._ready()
             if wait > 0:
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), wait)
+                await self._wait(wait)
                 continue
             c = self.config
             max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
             items = self._take(select_batch(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
-            if self.queue:
-                self._changed.set()  # let an idle instance look at what is left
-            start = time.monotonic()
-            for x in items:
-                x.started = start
-                self.observer.waited(start - x.arrived)
-            self._busy += 1
-            try:
-                results = await loop.run_in_executor(self._executors[instance], self.run_batch, items, instance)
-            except ServingError as e:
-                results = [e] * len(items)
-            except Exception as e:  # a runtime failure fails this batch only
-                log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
-                results = [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
-            finally:
-                self._busy -= 1
-            seconds = time.monotonic() - start
-            real = sum(x.tokens for x in items)
-            padded = sum(x.rows for x in items) * max(x.length for x in items)
-            self.admission.measured(real, seconds, saturated=bool(self.queue))
-            self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
-            for x, r in zip(items, results, strict=True):
-                if x.future.done():
-                    continue
-                if isinstance(r, BaseException):
-                    x.future.set_exception(r)
-                else:
-                    x.future.set_result(r)
+            task = asyncio.create_task(self._run(items, self._idle.pop()))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, items: list[WorkItem], instance: int) -> None:
+        start = time.monotonic()
+        for x in items:
+            x.started = start
+            self.observer.waited(start - x.arrived)
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executors[instance], self.run_batch, items, instance)
+        except ServingError as e:
+            results = [e] * len(items)
+        except Exception as e:  # a runtime failure fails this batch only
+            log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
+            results = [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
+        finally:
+            self._idle.append(instance)
+            self._changed.set()
+        seconds = time.monotonic() - start
+        real = sum(x.tokens for x in items)
+        padded = sum(x.rows for x in items) * max(x.length for x in items)
+        self.admission.measured(real, seconds, saturated=bool(self.queue))
+        self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
+        for x, r in zip(items, results, strict=True):
+            if x.future.done():
+                continue
+            if isinstance(r, BaseException):
+                x.future.set_exception(r)
+            else:
+                x.future.set_result(r)
 
     async def close(self) -> None:
         """Refuse new work; queued and running requests still complete."""
         self._closed = True
-        while self.queue:
+        while self.queue or self._running:
             await asyncio.sleep(0.01)
-        for w in self._workers:
-            w.cancel()
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
         for e in self._executors:
             e.shutdown(wait=True)
 
@@ -362,7 +380,11 @@ class GenerationScheduler:
         try:
             return await item.future  # type: ignore[no-any-return]
         except asyncio.CancelledError:
-            item.cancelled = True
+            with self._lock:  # the client left: a request still queued leaves the queue now
+                item.cancelled = True
+                if item in self.queue:
+                    self._pop(item)
+                    self.observer.dropped("cancelled")
             raise
 
     # -- called on the decoding threads ------------------------------------------------------

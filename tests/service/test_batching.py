@@ -1,0 +1,372 @@
+"""The batchers' promises, checked on real schedulers and a real server.
+
+What is computed (only what is still wanted), what comes back (to each request exactly what it
+would get alone), and what is refused (at once, with a reason). Speed is for `qkv bench`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service import protocol
+from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
+from service.bench import scrape, variant
+from service.errors import DeadlineExceeded, ResourceExhausted
+from service.generation import greedy_decode
+from service.loadgen import encoder_request
+from service.repository import BatchingConfig
+from service.seq2seq import OnnxSeq2Seq, session_options
+from service.vocab import Vocabulary
+from tests.conftest import MODELS, RunningServer, start_server, stop_server
+
+VOCAB = 33  # g2p_encoder's input vocabulary
+
+
+class Recorder:
+    """A BatchObserver that keeps what the scheduler reports."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int, int]] = []  # rows, padded tokens, real tokens
+        self.drops: list[str] = []
+
+    def queue_depth(self, requests: int) -> None: ...
+    def waited(self, seconds: float) -> None: ...
+
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        self.batches.append((rows, padded_tokens, real_tokens))
+
+    def dropped(self, reason: str) -> None:
+        self.drops.append(reason)
+
+
+class Doubler:
+    """A model for the tensor batcher: each request's payload times two. The first batch holds
+    until `gate` opens, so that the test can fill the queue behind it."""
+
+    def __init__(self, hold_first: bool = True) -> None:
+        self.gate = threading.Event()
+        if not hold_first:
+            self.gate.set()
+        self.computed: list[int] = []  # payloads, in the order computed
+        self.instances: list[int] = []
+
+    def __call__(self, items: list[WorkItem], instance: int) -> list[Any]:
+        first = not self.instances
+        self.instances.append(instance)
+        self.computed += [x.payload for x in items]
+        if first:
+            self.gate.wait(10)
+        return [x.payload * 2 for x in items]
+
+
+def _item(payload: int, length: int = 8, rows: int = 1, deadline: float | None = None) -> WorkItem:
+    return WorkItem(rows, length, payload, asyncio.get_running_loop().create_future(), deadline=deadline)
+
+
+async def _until(condition: Any, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+# -- select_batch: the pure choice of the next batch ---------------------------------------------
+
+queues = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 300)), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(queues, st.integers(1, 64), st.integers(1, 8192), st.floats(0.0, 1.0), st.booleans())
+def test_select_batch_keeps_its_bounds(
+    shape: list[tuple[int, int]], max_rows: int, budget: int, max_padding: float, aware: bool
+) -> None:
+    queue = [WorkItem(rows, length, None, None) for rows, length in shape]  # type: ignore[arg-type]
+    chosen = select_batch(queue, max_rows, budget, aware, max_padding)
+    assert chosen[0] == 0, "the oldest request always goes"
+    assert chosen == sorted(set(chosen)) and chosen[-1] < len(queue)
+    if not aware:
+        assert chosen == list(range(len(chosen))), "FIFO takes a prefix of the queue"
+    if len(chosen) > 1:
+        batch = [queue[i] for i in chosen]
+        rows, longest = sum(x.rows for x in batch), max(x.length for x in batch)
+        assert rows <= max_rows and rows * longest <= budget
+        if aware:
+            assert 1 - sum(x.tokens for x in batch) / (rows * longest) <= max_padding + 1e-9
+
+
+def test_length_aware_selection_groups_similar_lengths_where_fifo_pads_to_the_longest() -> None:
+    queue = [WorkItem(1, n, None, None) for n in (10, 200, 12, 190, 11, 9)]  # type: ignore[arg-type]
+    assert select_batch(queue, 64, 8192, length_aware=True, max_padding=0.2) == [0, 2, 4, 5]
+    fifo = select_batch(queue, 64, 8192, length_aware=False)
+    assert fifo == [0, 1, 2, 3, 4, 5]  # all of them, every row padded to 200
+    assert select_batch(queue, 3, 8192, length_aware=False) == [0, 1, 2]
+
+
+# -- DynamicBatcher ------------------------------------------------------------------------------
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_never_computed() -> None:
+    async def run() -> None:
+        model, seen = Doubler(), Recorder()
+        b = DynamicBatcher("m", BatchingConfig(), model, instances=1, observer=seen)
+        b.start()
+        first = asyncio.create_task(b.submit(_item(1)))
+        await _until(lambda: model.instances)  # the only instance is now busy
+        late = asyncio.create_task(b.submit(_item(2, deadline=time.monotonic() + 0.05)))
+        kept = asyncio.create_task(b.submit(_item(3)))
+        await asyncio.sleep(0.1)  # past the deadline, still queued
+        model.gate.set()
+        assert await first == 2 and await kept == 6
+        with pytest.raises(DeadlineExceeded, match="deadline passed while it was queued"):
+            await late
+        assert model.computed == [1, 3] and seen.drops == ["deadline"]
+        assert b.admission.queued_requests == 0 and b.admission.queued_tokens == 0
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_request_leaves_the_queue_at_once_and_is_never_computed() -> None:
+    async def run() -> None:
+        model, seen = Doubler(), Recorder()
+        b = DynamicBatcher("m", BatchingConfig(), model, instances=1, observer=seen)
+        b.start()
+        first = asyncio.create_task(b.submit(_item(1)))
+        await _until(lambda: model.instances)
+        gone = asyncio.create_task(b.submit(_item(2, length=100)))
+        kept = asyncio.create_task(b.submit(_item(3)))
+        await _until(lambda: len(b.queue) == 2)
+        gone.cancel()
+        await _until(lambda: len(b.queue) == 1)  # out of the queue before the instance is free
+        assert b.admission.queued_tokens == 8 and seen.drops == ["cancelled"]
+        model.gate.set()
+        assert await first == 2 and await kept == 6
+        assert gone.cancelled() and model.computed == [1, 3]
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_queue_limits_refuse_at_once_with_a_pushback_hint() -> None:
+    async def run() -> None:
+        model = Doubler()
+        config = BatchingConfig(max_queue_requests=3, max_queue_tokens=100)
+        b = DynamicBatcher("m", config, model, instances=1)
+        b.start()
+        first = asyncio.create_task(b.submit(_item(1)))
+        await _until(lambda: model.instances)
+        queued = [asyncio.create_task(b.submit(_item(k, length=30))) for k in (2, 3, 4)]
+        await _until(lambda: len(b.queue) == 3)
+        with pytest.raises(ResourceExhausted, match=r"3 requests / 90 tokens queued \(limits 3 / 100\)"):
+            await b.submit(_item(5, length=1))
+        b.config = BatchingConfig(max_queue_requests=10, max_queue_tokens=100)
+        with pytest.raises(ResourceExhausted, match="90 tokens queued"):
+            await b.submit(_item(6, length=11))  # 101 tokens
+        model.gate.set()
+        assert [await first, *[await q for q in queued]] == [2, 4, 6, 8]
+        assert 5 not in model.computed and 6 not in model.computed
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_no_request_is_lost_or_answered_twice_under_concurrent_load() -> None:
+    async def run() -> None:
+        model, seen = Doubler(hold_first=False), Recorder()
+        b = DynamicBatcher("m", BatchingConfig(max_batch_size=16), model, instances=2, observer=seen)
+        b.start()
+        rng = random.Random(3)
+
+        async def one(k: int) -> int:
+            await asyncio.sleep(rng.random() * 0.5)
+            return await b.submit(_item(k, length=rng.randint(1, 200)))  # type: ignore[no-any-return]
+
+        answers = await asyncio.gather(*[one(k) for k in range(2000)], return_exceptions=True)
+        done = [k for k, a in enumerate(answers) if not isinstance(a, BaseException)]
+        refused = [a for a in answers if isinstance(a, BaseException)]
+        assert all(isinstance(a, ResourceExhausted) for a in refused), "a refusal is the only other answer"
+        assert all(answers[k] == 2 * k for k in done), "each answer is its own request's"
+        assert Counter(model.computed) == Counter(done), "each answered request computed exactly once, no other"
+        assert len(done) > 1000 and sum(rows for rows, _, _ in seen.batches) == len(done)
+        assert len(seen.batches) < len(done), "some requests shared a batch"
+        assert set(model.instances) == {0, 1}
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_at_low_load_the_warm_instance_does_the_work() -> None:
+    async def run() -> None:
+        model = Doubler(hold_first=False)
+        b = DynamicBatcher("m", BatchingConfig(), model, instances=2)
+        b.start()
+        for k in range(20):  # one at a time: the instance that just finished takes the next
+            assert await b.submit(_item(k)) == 2 * k
+        assert model.instances == [0] * 20
+        await b.close()
+
+    asyncio.run(run())
+
+
+# -- GenerationScheduler on the shipped g2p graphs -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def g2p_graphs() -> tuple[OnnxSeq2Seq, Vocabulary]:
+    version = MODELS / "g2p" / "1"
+    return OnnxSeq2Seq(version, session_options(1)), Vocabulary.load(version / "graphemes.json")
+
+
+def test_continuous_batching_gives_each_word_what_it_gets_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
+    model, graphemes = g2p_graphs
+    long_words = ["internationalization", "counterrevolutionaries", "electroencephalograph", "unconstitutionally"]
+    short_words = ["cat", "on", "the", "mat", "a", "dog", "ran", "far", "up", "it"]
+    alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in long_words + short_words}
+
+    async def run() -> tuple[dict[str, list[int]], Recorder]:
+        seen = Recorder()
+        scheduler = GenerationScheduler("g2p", BatchingConfig(min_join_rows=1), [model], observer=seen)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        async def convert(words: list[str]) -> list[list[int]]:
+            sources = [graphemes.encode(w) for w in words]
+            req = WordsRequest(sources, 40)
+            item = WorkItem(len(sources), max(map(len, sources)) + 1, req, loop.create_future())
+            return [h.output for h in await scheduler.submit(item)]
+
+        long_task = asyncio.create_task(convert(long_words))
+        await _until(lambda: len(seen.batches) >= 2)  # the long words are decoding
+        shorts = await asyncio.gather(*[convert([w]) for w in short_words])
+        longs = await long_task
+        await scheduler.close()
+        return dict(zip(long_words + short_words, longs + [s[0] for s in shorts], strict=True)), seen
+
+    served, seen = asyncio.run(run())
+    assert served == alone
+    rows = [r for r, _, _ in seen.batches]
+    assert any(b > a > 0 for a, b in itertools.pairwise(rows)), f"no word joined a running batch: {rows}"
+
+
+# -- over the wire: a real server ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server of its own, with one g2p_encoder instance: these tests count what it computed."""
+    scratch = tmp_path_factory.mktemp("batching")
+    # Queueing is bounded by the queue limits alone, so the flood below is admitted whole.
+    one = {"instances": 1, "batching": {"max_queue_wait_ms": 60_000}}
+    models = variant(MODELS, scratch / "models", {"g2p_encoder": one})
+    s = start_server(["--model-repository", str(models)], scratch / "server.log")
+    yield s
+    stop_server(s)
+
+
+def _stats(stub: Any, model: str) -> Any:
+    return stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=5).model_stats[0]
+
+
+def _inference_count(stub: Any, model: str) -> int:
+    return int(_stats(stub, model).inference_count)
+
+
+def _outputs(response: Any) -> np.ndarray:
+    out = response.outputs[0]
+    assert out.datatype == "FP32"
+    return np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(list(out.shape))
+
+
+def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server: RunningServer) -> None:
+    rng = np.random.default_rng(11)
+    lengths = [int(n) for n in rng.integers(4, 200, size=64)]
+    requests = [encoder_request(n, VOCAB, rng) for n in lengths]
+    session = ort.InferenceSession(str(MODELS / "g2p_encoder" / "1" / "model.onnx"), session_options(1))
+
+    async def send_all() -> list[Any]:
+        async with grpc.aio.insecure_channel(quiet_server.url) as channel:
+            stub = protocol.Stub(channel)
+            return await asyncio.gather(*[stub.ModelInfer(r, timeout=60) for r in requests])
+
+    with grpc.insecure_channel(quiet_server.url) as channel:
+        stats_before = _stats(protocol.Stub(channel), "g2p_encoder")
+        responses = asyncio.run(send_all())
+        stats = _stats(protocol.Stub(channel), "g2p_encoder")
+    for n, request, response in zip(lengths, requests, responses, strict=True):
+        ids = np.frombuffer(request.raw_input_contents[0], dtype=np.int64).reshape(1, n)
+        (expected,) = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        got = _outputs(response)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    executions = stats.execution_count - stats_before.execution_count
+    assert stats.inference_count - stats_before.inference_count == 64
+    assert executions < 64, "the requests were batched (and padded) together"
+
+
+def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningServer) -> None:
+    rng = np.random.default_rng(5)
+    blocker = encoder_request(512, VOCAB, rng)  # 32 x 512 tokens: a second or two on the one instance
+    ids = np.frombuffer(blocker.raw_input_contents[0], dtype=np.int64)
+    blocker.inputs[0].shape[:] = blocker.inputs[1].shape[:] = [32, 512]
+    blocker.raw_input_contents[:] = [np.tile(ids, 32).tobytes(), np.ones(32 * 512, np.int64).tobytes()]
+    small = encoder_request(16, VOCAB, rng)
+
+    def queued() -> float:
+        return scrape(quiet_server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
+
+    async def until_queued(n: float) -> None:
+        end = time.monotonic() + 30
+        while queued() != n:
+            assert time.monotonic() < end, f"the queue never held {n} requests"
+            await asyncio.sleep(0.02)
+
+    async def run() -> tuple[list[Any], grpc.StatusCode, bool]:
+        big = [("grpc.max_receive_message_length", 64 << 20)]  # the blocker's answer is 12 MB
+        async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
+            stub = protocol.Stub(channel)
+            first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
+            await asyncio.sleep(0.1)  # computing now; nothing else moves until it is done
+            rest = [asyncio.ensure_future(stub.ModelInfer(small, timeout=120)) for _ in range(3)]
+            await until_queued(3)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ModelInfer(small, timeout=0.2)
+            cancelled = stub.ModelInfer(small, timeout=120)
+            await until_queued(4)
+            cancelled.cancel()
+            await until_queued(3)  # it left the queue while the blocker was still computing
+            assert not first.done(), "the blocker finished early: the queue was not held"
+            return await asyncio.gather(first, *rest), refused.value.code(), cancelled.cancelled()
+
+    with grpc.insecure_channel(quiet_server.url) as channel:
+        stub = protocol.Stub(channel)
+        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(quiet_server.metrics_url)
+        answered, code, was_cancelled = asyncio.run(run())
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and was_cancelled
+        assert all(len(a.raw_output_contents) == 1 for a in answered)
+        # Only the flood's rows were computed: neither the expired nor the cancelled request.
+        assert _inference_count(stub, "g2p_encoder") - before == 32 + 3
+    after = scrape(quiet_server.metrics_url)
+
+    def grew(series: str) -> float:
+        return after.get(series, 0) - counters_before.get(series, 0)
+
+    # The expired one was refused at the door (its deadline shorter than the predicted wait) or
+    # dropped from the queue; the cancelled one was dropped from the queue. Neither was computed.
+    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="%s"}'
+    refused_at_admission = grew('qkv_requests_total{code="DEADLINE_EXCEEDED",model="g2p_encoder"}')
+    assert grew(dropped % "cancelled") >= 1
+    assert grew(dropped % "deadline") + grew(dropped % "cancelled") + refused_at_admission == 2
