@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from service import priority
 from service.errors import Cancelled, DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from service.generation import DecodingBatch, Hypothesis, StepModel, beam_search
 from service.repository import BatchingConfig
@@ -200,7 +201,9 @@ class DynamicBatcher:
         self.admission = _Admission(name, config, self.instances)
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
-        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"qkv-{name}-{i}") for i in range(self.instances)]
+        self._executors = [
+            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread) for i in range(self.instances)
+        ]
         self._idle = list(range(self.instances - 1, -1, -1))  # a stack: instance 0 on top
         self._dispatcher: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
@@ -214,6 +217,8 @@ class DynamicBatcher:
         if self._closed:
             raise Unavailable(f"model '{self.name}' is shutting down")
         self.admission.admit(item.tokens, item.deadline)
+        if self._inline(item):
+            return self._run_inline(item)
         self.queue.append(item)
         self.observer.queue_depth(len(self.queue))
         self._changed.set()
@@ -222,6 +227,31 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._withdraw(item)
             raise
+
+    def _inline(self, item: WorkItem) -> bool:
+        """A small request on an idle server runs on this thread: handing it to an instance's
+        thread and back costs about as much as computing it."""
+        c = self.config
+        return item.tokens <= c.inline_max_tokens and not self.queue and len(self._idle) == self.instances
+
+    def _run_inline(self, item: WorkItem) -> Any:
+        instance = self._idle.pop()
+        self.admission.release(item.tokens)
+        item.started = start = time.monotonic()
+        self.observer.waited(0.0)
+        try:
+            (result,) = self.run_batch([item], instance)
+        except ServingError:
+            raise
+        except Exception as e:  # as in a batch: this request fails, the server goes on
+            log.error("model '%s': batch of 1 failed: %s", self.name, e)
+            raise Internal(f"model '{self.name}' failed on this batch: {e}") from e
+        finally:
+            self._idle.append(instance)
+        self._measured([item], time.monotonic() - start)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _withdraw(self, item: WorkItem) -> None:
         """The client left: a request still queued leaves the queue now; a running one is let finish."""
@@ -297,11 +327,7 @@ class DynamicBatcher:
         finally:
             self._idle.append(instance)
             self._changed.set()
-        seconds = time.monotonic() - start
-        real = sum(x.tokens for x in items)
-        padded = sum(x.rows for x in items) * max(x.length for x in items)
-        self.admission.measured(real, seconds, saturated=bool(self.queue))
-        self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
+        self._measured(items, time.monotonic() - start)
         for x, r in zip(items, results, strict=True):
             if x.future.done():
                 continue
@@ -309,6 +335,12 @@ class DynamicBatcher:
                 x.future.set_exception(r)
             else:
                 x.future.set_result(r)
+
+    def _measured(self, items: list[WorkItem], seconds: float) -> None:
+        real = sum(x.tokens for x in items)
+        padded = sum(x.rows for x in items) * max(x.length for x in items)
+        self.admission.measured(real, seconds, saturated=bool(self.queue))
+        self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
 
     async def close(self) -> None:
         """Refuse new work; queued and running requests still complete."""
@@ -464,6 +496,7 @@ class GenerationScheduler:
             self._resolve(item, req.results)
 
     def _work(self, instance: int) -> None:
+        priority.lower_this_thread()
         model = self.models[instance]
         batch = DecodingBatch(model)
         while True:
@@ -507,10 +540,16 @@ class GenerationScheduler:
             hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length, 1, 2, req.with_attention)
         except Exception as e:
             log.error("model '%s': beam search failed: %s", self.name, e)
-            self._resolve(item, error=Internal(f"model '{self.name}' failed on this request: {e}"))
+            self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
             return
         self.observer.batch(len(req.sources) * req.beam_size, item.tokens, item.tokens, time.monotonic() - start)
         self._resolve(item, hyps)
+
+    def _measured(self, items: list[WorkItem], seconds: float) -> None:
+        real = sum(x.tokens for x in items)
+        padded = sum(x.rows for x in items) * max(x.length for x in items)
+        self.admission.measured(real, seconds, saturated=bool(self.queue))
+        self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

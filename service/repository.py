@@ -36,6 +36,7 @@ class BatchingConfig:
     max_queue_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED at once
     max_queue_tokens: int = 32768  # queued tokens beyond which new work is refused
     max_queue_wait_ms: float = 1000.0  # refuse work whose predicted wait (queued tokens / measured rate) is longer
+    inline_max_tokens: int = 32  # a request this small on an idle server skips the hand-off to an instance thread
     continuous: bool = True  # g2p: words join a running decode at the next step
     min_join_rows: int = 8  # g2p: words that join together (fewer once max_queue_delay_ms has passed)
 

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, protocol
+from service import __version__, priority, protocol
 from service.codec import decode_tensor, fill_output
 from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable
@@ -56,9 +56,11 @@ def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
     for config in load_repository(settings.model_repository):
         observer = metrics.observer(config.name)
         if config.kind == "g2p":
-            models[config.name] = G2PModel(config, G2PRuntime(config, providers), observer)
+            g2p = priority.run_lowered(lambda c=config: G2PRuntime(c, providers))
+            models[config.name] = G2PModel(config, g2p, observer)
         else:
-            models[config.name] = TensorModel(config, TensorRuntime(config, providers), observer)
+            tensor = priority.run_lowered(lambda c=config: TensorRuntime(c, providers))
+            models[config.name] = TensorModel(config, tensor, observer)
         m = models[config.name]
         metrics.model_info.labels(m.name, m.version, m.provider).set(1)
     return models
@@ -386,6 +388,7 @@ class Server:
         self._credentials = _credentials(settings)
         self._tokens = _tokens(settings)
         self.metrics = Metrics(enabled=settings.metrics)
+        priority.configure(settings.compute_nice)
         self.models = load_models(settings, self.metrics)
         self.draining = False
         self.active = 0  # requests inside a model right now

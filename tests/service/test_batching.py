@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,9 +26,9 @@ from hypothesis import strategies as st
 from service import protocol
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
 from service.bench import scrape, variant
-from service.errors import DeadlineExceeded, ResourceExhausted
+from service.errors import DeadlineExceeded, Internal, ResourceExhausted
 from service.generation import greedy_decode
-from service.loadgen import encoder_request
+from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import OnnxSeq2Seq, session_options
 from service.vocab import Vocabulary
@@ -63,17 +64,21 @@ class Doubler:
             self.gate.set()
         self.computed: list[int] = []  # payloads, in the order computed
         self.instances: list[int] = []
+        self.threads: list[int] = []  # the thread that computed each batch
 
     def __call__(self, items: list[WorkItem], instance: int) -> list[Any]:
         first = not self.instances
         self.instances.append(instance)
+        self.threads.append(threading.get_ident())
         self.computed += [x.payload for x in items]
+        if any(x.payload < 0 for x in items):
+            raise ValueError("negative payload")
         if first:
             self.gate.wait(10)
         return [x.payload * 2 for x in items]
 
 
-def _item(payload: int, length: int = 8, rows: int = 1, deadline: float | None = None) -> WorkItem:
+def _item(payload: int, length: int = 40, rows: int = 1, deadline: float | None = None) -> WorkItem:
     return WorkItem(rows, length, payload, asyncio.get_running_loop().create_future(), deadline=deadline)
 
 
@@ -152,7 +157,7 @@ def test_a_cancelled_request_leaves_the_queue_at_once_and_is_never_computed() ->
         await _until(lambda: len(b.queue) == 2)
         gone.cancel()
         await _until(lambda: len(b.queue) == 1)  # out of the queue before the instance is free
-        assert b.admission.queued_tokens == 8 and seen.drops == ["cancelled"]
+        assert b.admission.queued_tokens == 40 and seen.drops == ["cancelled"]
         model.gate.set()
         assert await first == 2 and await kept == 6
         assert gone.cancelled() and model.computed == [1, 3]
@@ -217,6 +222,25 @@ def test_at_low_load_the_warm_instance_does_the_work() -> None:
         for k in range(20):  # one at a time: the instance that just finished takes the next
             assert await b.submit(_item(k)) == 2 * k
         assert model.instances == [0] * 20
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_small_request_on_an_idle_server_runs_inline_and_a_failure_stays_its_own() -> None:
+    async def run() -> None:
+        model, seen = Doubler(hold_first=False), Recorder()
+        b = DynamicBatcher("m", BatchingConfig(inline_max_tokens=32), model, instances=2, observer=seen)
+        b.start()
+        loop_thread = threading.get_ident()
+        assert await b.submit(_item(1, length=32)) == 2  # small, idle: computed right here
+        assert await b.submit(_item(2, length=33)) == 4  # one token over: handed to an instance thread
+        assert model.threads[0] == loop_thread and model.threads[1] != loop_thread
+        with pytest.raises(Internal, match="model 'm' failed on this batch: negative payload"):
+            await b.submit(_item(-1, length=8))
+        assert await b.submit(_item(3, length=8)) == 6, "the batcher goes on after a failed request"
+        assert b.admission.queued_requests == 0 and b.admission.queued_tokens == 0, "nothing left counted as queued"
+        assert [rows for rows, _, _ in seen.batches] == [1, 1, 1], "inline runs are observed as batches of one"
         await b.close()
 
     asyncio.run(run())
@@ -370,3 +394,26 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
     refused_at_admission = grew('qkv_requests_total{code="DEADLINE_EXCEEDED",model="g2p_encoder"}')
     assert grew(dropped % "cancelled") >= 1
     assert grew(dropped % "deadline") + grew(dropped % "cancelled") + refused_at_admission == 2
+
+
+def _thread_nices(pid: int) -> dict[int, int]:
+    """Each thread's nice value, from /proc (field 19 of a task's stat)."""
+    nices = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        nices[int(task.name)] = int(fields[16])
+    return nices
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice is read from Linux's /proc")
+def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
+    with grpc.insecure_channel(quiet_server.url) as channel:
+        stub = protocol.Stub(channel)
+        stub.ModelInfer(encoder_request(16, VOCAB, np.random.default_rng(0)), timeout=30)
+        stub.ModelInfer(g2p_word_request("lowered"), timeout=30)  # both kinds of compute thread now exist
+    pid = quiet_server.process.pid
+    nices = _thread_nices(pid)
+    assert nices[pid] == 0, "the event loop (main thread) keeps its priority"
+    lowered = [tid for tid, nice in nices.items() if nice == 10]  # the default --compute-nice
+    # at least the g2p_encoder instance's thread and each g2p instance's decoding thread
+    assert len(lowered) >= 2, nices
