@@ -240,17 +240,12 @@ class DynamicBatcher:
         item.started = start = time.monotonic()
         self.observer.waited(0.0)
         try:
-            (result,) = self.run_batch([item], instance)
-        except ServingError:
-            raise
-        except Exception as e:  # as in a batch: this request fails, the server goes on
-            log.error("model '%s': batch of 1 failed: %s", self.name, e)
-            raise Internal(f"model '{self.name}' failed on this batch: {e}") from e
+            (result,) = self._compute([item], instance)
         finally:
             self._idle.append(instance)
-        self._measured([item], time.monotonic() - start)
         if isinstance(result, BaseException):
-            raise result
+            raise result  # a failed run says nothing about throughput
+        self._measured([item], time.monotonic() - start)
         return result
 
     def _withdraw(self, item: WorkItem) -> None:
@@ -318,12 +313,7 @@ class DynamicBatcher:
             self.observer.waited(start - x.arrived)
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executors[instance], self.run_batch, items, instance)
-        except ServingError as e:
-            results = [e] * len(items)
-        except Exception as e:  # a runtime failure fails this batch only
-            log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
-            results = [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
+            results = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
         finally:
             self._idle.append(instance)
             self._changed.set()
@@ -335,6 +325,16 @@ class DynamicBatcher:
                 x.future.set_exception(r)
             else:
                 x.future.set_result(r)
+
+    def _compute(self, items: list[WorkItem], instance: int) -> list[Any]:
+        """`run_batch`, a failure turned into each request's error: a runtime failure fails this batch only."""
+        try:
+            return self.run_batch(items, instance)
+        except ServingError as e:
+            return [e] * len(items)
+        except Exception as e:
+            log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
+            return [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
 
     def _measured(self, items: list[WorkItem], seconds: float) -> None:
         real = sum(x.tokens for x in items)
@@ -540,16 +540,10 @@ class GenerationScheduler:
             hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length, 1, 2, req.with_attention)
         except Exception as e:
             log.error("model '%s': beam search failed: %s", self.name, e)
-            self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
+            self._resolve(item, error=Internal(f"model '{self.name}' failed on this request: {e}"))
             return
         self.observer.batch(len(req.sources) * req.beam_size, item.tokens, item.tokens, time.monotonic() - start)
         self._resolve(item, hyps)
-
-    def _measured(self, items: list[WorkItem], seconds: float) -> None:
-        real = sum(x.tokens for x in items)
-        padded = sum(x.rows for x in items) * max(x.length for x in items)
-        self.admission.measured(real, seconds, saturated=bool(self.queue))
-        self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""
