@@ -85,6 +85,27 @@ def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model
     return inputs
 
 
+def _stack(parts: list[np.ndarray], axis: int | None, longest: int) -> np.ndarray:
+    """Requests' arrays as one batch, zero-padded along the sequence `axis` (if any) to `longest`.
+
+    One allocation for the batch; a lone request that needs no padding is passed through as is.
+    """
+    if axis is None:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    if len(parts) == 1 and parts[0].shape[axis] == longest:
+        return parts[0]
+    shape = list(parts[0].shape)
+    shape[0], shape[axis] = sum(p.shape[0] for p in parts), longest
+    batch = np.zeros(shape, dtype=parts[0].dtype)
+    row = 0
+    for p in parts:
+        index = [slice(None)] * p.ndim
+        index[0], index[axis] = slice(row, row + p.shape[0]), slice(0, p.shape[axis])
+        batch[tuple(index)] = p
+        row += p.shape[0]
+    return batch
+
+
 class TensorModel:
     kind = "tensor"
 
@@ -112,27 +133,23 @@ class TensorModel:
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:
             return max((int(np.prod(a.shape[1:])) for a in feeds.values()), default=1)
-        lengths = {
-            a.shape[self.sequence_axis]
-            for s, a in ((s, feeds[s.name]) for s in self.inputs)
-            if len(s.axes) > self.sequence_axis and s.axes[self.sequence_axis] in self._seq_names
-        }
+        lengths = {feeds[s.name].shape[self.sequence_axis] for s in self.inputs if self._on_sequence_axis(s)}
         if len(lengths) > 1:
             raise InvalidArgument(
                 f"inputs disagree on the sequence length (axis {self.sequence_axis}): {sorted(lengths)}"
             )
         return lengths.pop() if lengths else 1
 
+    def _on_sequence_axis(self, s: TensorSpec) -> bool:
+        axis = self.sequence_axis
+        return axis is not None and len(s.axes) > axis and s.axes[axis] in self._seq_names
+
     def _group(self, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
         """Requests batch together when all their dims but batch (and sequence) agree."""
         key = []
         for s in self.inputs:
             dims = list(feeds[s.name].shape[1:])
-            if (
-                self.sequence_axis is not None
-                and len(s.axes) > self.sequence_axis
-                and s.axes[self.sequence_axis] in self._seq_names
-            ):
+            if self.sequence_axis is not None and self._on_sequence_axis(s):
                 dims[self.sequence_axis - 1] = -1
             key.append((s.name, tuple(dims)))
         return tuple(key)
@@ -198,14 +215,8 @@ class TensorModel:
         longest = max(x.length for x in items)
         feeds = {}
         for s in self.inputs:
-            parts = [x.payload[0][s.name] for x in items]
-            axis = self.sequence_axis
-            if axis is not None and len(s.axes) > axis and s.axes[axis] in self._seq_names:
-                parts = [
-                    np.pad(p, [(0, longest - p.shape[axis]) if k == axis else (0, 0) for k in range(p.ndim)])
-                    for p in parts
-                ]
-            feeds[s.name] = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            axis = self.sequence_axis if self._on_sequence_axis(s) else None
+            feeds[s.name] = _stack([x.payload[0][s.name] for x in items], axis, longest)
         wanted = sorted({o for x in items for o in x.payload[1]}, key=[o.name for o in self.outputs].index)
         arrays = dict(zip(wanted, self.runtime.run(instance, feeds, wanted), strict=True))
         out: list[dict[str, np.ndarray]] = []
@@ -215,11 +226,10 @@ class TensorModel:
             for o in self.outputs:
                 if o.name not in x.payload[1]:
                     continue
-                a = arrays[o.name][start : start + x.rows]
-                for axis, sym in enumerate(o.axes):
-                    if axis > 0 and sym in self._seq_names:
-                        a = np.take(a, np.arange(x.length), axis=axis)
-                mine[o.name] = np.ascontiguousarray(a)
+                # This request's rows, cut back to its own length: a view, copied only when cut.
+                index = [slice(start, start + x.rows)]
+                index += [slice(0, x.length) if sym in self._seq_names else slice(None) for sym in o.axes[1:]]
+                mine[o.name] = np.ascontiguousarray(arrays[o.name][tuple(index)])
             out.append(mine)
             start += x.rows
         self._account(sum(x.rows for x in items), time.perf_counter_ns() - t0)
