@@ -21,7 +21,7 @@ import numpy as np
 from service import protocol
 from service.client import g2p_request
 
-__all__ = ["Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "open_loop", "summarise"]
+__all__ = ["Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "open_loop", "own_cpu", "summarise"]
 
 MakeRequest = Callable[[int], tuple[Any, int, str]]  # i -> (request, seq_len, tag)
 
@@ -57,7 +57,8 @@ def g2p_word_request(word: str, model: str = "g2p") -> Any:
     return g2p_request([word], model)
 
 
-def _cpu() -> float:
+def own_cpu() -> float:
+    """CPU seconds this process (the load generator) has used."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
@@ -81,7 +82,7 @@ async def closed_loop(
     progress: Callable[[int], None] | None = None,
 ) -> Run:
     run = Run()
-    cpu0, t0 = _cpu(), time.perf_counter()
+    cpu0, t0 = own_cpu(), time.perf_counter()
     stop = t0 + seconds
     async with grpc.aio.insecure_channel(url) as channel:
         stub = protocol.Stub(channel)
@@ -95,7 +96,7 @@ async def closed_loop(
                     progress(1)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    run.wall, run.client_cpu = time.perf_counter() - t0, _cpu() - cpu0
+    run.wall, run.client_cpu = time.perf_counter() - t0, own_cpu() - cpu0
     return run
 
 
@@ -109,7 +110,7 @@ async def open_loop(
 ) -> Run:
     """Send `rate` requests/s for `seconds` (Poisson-free: evenly spaced), then wait for answers."""
     run = Run()
-    cpu0, t0 = _cpu(), time.perf_counter()
+    cpu0, t0 = own_cpu(), time.perf_counter()
     tasks: list[asyncio.Task[None]] = []
     async with grpc.aio.insecure_channel(url) as channel:
         stub = protocol.Stub(channel)
@@ -123,7 +124,7 @@ async def open_loop(
             if progress:
                 progress(1)
         await asyncio.gather(*tasks)
-    run.wall, run.client_cpu = time.perf_counter() - t0, _cpu() - cpu0
+    run.wall, run.client_cpu = time.perf_counter() - t0, own_cpu() - cpu0
     return run
 
 
