@@ -131,21 +131,28 @@ def test_overload_is_refused_cleanly_and_admitted_requests_are_correct(repo: Pat
             run, _ = await asyncio.gather(open_loop(s.url, make, rate=400, seconds=4.0), verify(40, 4.0))
             return summarise(run)
 
+        # Two rounds: the first grows the allocator's arenas to the overload's peak (by how much varies
+        # from run to run); a leak would grow again in the second, an allocator that has settled does not.
+        summary = asyncio.run(load())
+        time.sleep(1.0)  # let the load settle
+        first = rss_kb(pid)
+        checked.clear()
         summary = asyncio.run(load())
         codes = dict(summary["codes"])  # type: ignore[call-overload]
-        time.sleep(1.0)  # let the load settle
+        time.sleep(1.0)
         after = rss_kb(pid)
         print(
             f"\noverload: load {codes}, ok {summary['rps']:.0f}/s, p99 {summary['p99_ms']:.0f} ms;"
             f" verified {dict(checked)}, max |diff| {worst[0]:.2e};"
-            f" RSS {baseline / 1024:.0f} MiB -> {after / 1024:.0f} MiB"
+            f" RSS {baseline / 1024:.0f} -> {first / 1024:.0f} -> {after / 1024:.0f} MiB"
         )
         assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
         assert set(checked) <= {"OK", "RESOURCE_EXHAUSTED"}, checked
         assert codes.get("RESOURCE_EXHAUSTED", 0) > codes.get("OK", 0) > 0  # far above capacity, still serving
         assert checked["OK"] > 0 and worst[0] < 1e-4
         assert summary["p99_ms"] < 5000  # type: ignore[operator]  # admitted requests do not sit in a long queue
-        assert after - baseline < 64 * 1024, (baseline, after)  # kB: back near the warmed-up size, no growth
+        assert after - baseline < 192 * 1024, (baseline, first, after)  # kB: bounded by the overload's peak
+        assert after - first < 32 * 1024, (baseline, first, after)  # and no growth once the arenas have settled
         assert s.process.poll() is None
     finally:
         stop_server(s)
