@@ -242,33 +242,16 @@ def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] =
     return results
 
 
-def _bare_round_trip_ms(url: str, n: int = 500) -> float:
-    """p50 of ServerLive over the same kind of channel: the part of the overhead that is gRPC itself."""
-    import grpc
-
-    from service import protocol
-
-    async def run() -> float:
-        async with grpc.aio.insecure_channel(url) as ch:
-            stub, times = protocol.Stub(ch), []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await stub.ServerLive(protocol.ServerLiveRequest(), timeout=5)
-                times.append(time.perf_counter() - t0)
-            return float(np.median(times)) * 1e3
-
-    return asyncio.run(run())
-
-
 def _process_cpu(pid: int) -> float:
     """CPU seconds a process has used so far, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _bare_rpc_cost(url: str, pid: int, concurrency: int = 16, n: int = 4000) -> dict[str, float]:
-    """CPU per ServerLive call, server and load generator, at `concurrency`: Python gRPC's own floor
-    (no decoding, no model), which every served request pays on top of its compute."""
+def _bare_rpc(url: str, pid: int, concurrency: int = 16, n: int = 4000) -> dict[str, float]:
+    """ServerLive, Python gRPC's own floor (no decoding, no model), which every served request pays on
+    top of its compute: the p50 round trip one call at a time, then CPU per call, server and load
+    generator, at `concurrency`."""
     import grpc
 
     from service import protocol
@@ -277,15 +260,21 @@ def _bare_rpc_cost(url: str, pid: int, concurrency: int = 16, n: int = 4000) -> 
         async with grpc.aio.insecure_channel(url) as ch:
             stub, request = protocol.Stub(ch), protocol.ServerLiveRequest()
 
-            async def worker(calls: int) -> None:
+            async def worker(calls: int, times: list[float] | None = None) -> None:
                 for _ in range(calls):
+                    t0 = time.perf_counter()
                     await stub.ServerLive(request, timeout=5)
+                    if times is not None:
+                        times.append(time.perf_counter() - t0)
 
             await worker(200)  # warm
+            alone: list[float] = []
+            await worker(500, alone)
             server0, client0, t0 = _process_cpu(pid), loadgen.own_cpu(), time.perf_counter()
             await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
             calls = n // concurrency * concurrency
             return {
+                "round_trip_p50_ms": float(np.median(alone)) * 1e3,
                 "server_cpu_us": (_process_cpu(pid) - server0) / calls * 1e6,
                 "client_cpu_us": (loadgen.own_cpu() - client0) / calls * 1e6,
                 "rps": calls / (time.perf_counter() - t0),
@@ -302,7 +291,7 @@ def _ceiling_section(servers: _Servers, encoder: Path, vocab: int, seconds: floa
     fixed = _closed(s.url, _encoder_maker(lambda r: 64, vocab), 32, seconds, "encoder seq64 c32")
     served = loadgen.summarise(fixed)
     per_request_ms = (_process_cpu(s.process.pid) - server_cpu0) / max(1, served["requests"]) * 1e3
-    floor = _bare_rpc_cost(s.url, s.process.pid)
+    floor = _bare_rpc(s.url, s.process.pid)
     # What served throughput could be if the server added nothing to a request but the bare RPC's CPU:
     # the cores split between the raw compute per sequence and the floor, server and load generator.
     cores = _cpus()
@@ -317,10 +306,9 @@ def _ceiling_section(servers: _Servers, encoder: Path, vocab: int, seconds: floa
     # 7. concurrency 1, seq 16: served p50 minus in-process p50.
     lone = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 1, seconds / 2, "c1 seq16"))
     compute = in_process_latency(encoder, 16, vocab)
-    bare = _bare_round_trip_ms(s.url)
     results["encoder_seq16_c1"] = {"served_p50_ms": lone["p50_ms"], "compute_p50_ms": compute * 1e3,
                                    "overhead_ms": lone["p50_ms"] - compute * 1e3,
-                                   "bare_grpc_round_trip_p50_ms": bare}  # fmt: skip
+                                   "bare_grpc_round_trip_p50_ms": floor["round_trip_p50_ms"]}  # fmt: skip
     # Concurrency sweep for the throughput plot.
     sweep = {}
     for c in (1, 4, 16, 64):
