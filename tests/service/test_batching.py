@@ -294,7 +294,7 @@ def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     """A server of its own, with one g2p_encoder instance: these tests count what it computed."""
     scratch = tmp_path_factory.mktemp("batching")
     # Queueing is bounded by the queue limits alone, so the flood below is admitted whole.
-    one = {"instances": 1, "batching": {"max_queue_wait_ms": 60_000}}
+    one = {"instances": 1, "batching": {"max_queue_wait_ms": 60_000, "max_queue_tokens": 65536}}
     models = variant(MODELS, scratch / "models", {"g2p_encoder": one})
     s = start_server(["--model-repository", str(models)], scratch / "server.log")
     yield s
@@ -343,10 +343,10 @@ def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server:
 
 def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningServer) -> None:
     rng = np.random.default_rng(5)
-    blocker = encoder_request(512, VOCAB, rng)  # 32 x 512 tokens: a second or two on the one instance
+    blocker = encoder_request(512, VOCAB, rng)  # 64 x 512 tokens: about four seconds on the one instance
     ids = np.frombuffer(blocker.raw_input_contents[0], dtype=np.int64)
-    blocker.inputs[0].shape[:] = blocker.inputs[1].shape[:] = [32, 512]
-    blocker.raw_input_contents[:] = [np.tile(ids, 32).tobytes(), np.ones(32 * 512, np.int64).tobytes()]
+    blocker.inputs[0].shape[:] = blocker.inputs[1].shape[:] = [64, 512]
+    blocker.raw_input_contents[:] = [np.tile(ids, 64).tobytes(), np.ones(64 * 512, np.int64).tobytes()]
     small = encoder_request(16, VOCAB, rng)
 
     def queued() -> float:
@@ -359,15 +359,23 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
             await asyncio.sleep(0.02)
 
     async def run() -> tuple[list[Any], grpc.StatusCode, bool]:
-        big = [("grpc.max_receive_message_length", 64 << 20)]  # the blocker's answer is 12 MB
+        big = [("grpc.max_receive_message_length", 64 << 20)]  # the blocker's answer is 24 MB
         async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
             stub = protocol.Stub(channel)
             first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
             await asyncio.sleep(0.1)  # computing now; nothing else moves until it is done
             rest = [asyncio.ensure_future(stub.ModelInfer(small, timeout=120)) for _ in range(3)]
             await until_queued(3)
+            # Long enough to reach the handler on a loaded machine (at 0.2 s, one expired before the
+            # server ever saw it), far shorter than the blocker.
+            expired = asyncio.ensure_future(stub.ModelInfer(small, timeout=1.0))
+            end = time.monotonic() + 30
+            while queued() != 4 and not expired.done():  # queued, or refused at admission
+                assert time.monotonic() < end, "the expiring request never reached the server"
+                await asyncio.sleep(0.02)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.ModelInfer(small, timeout=0.2)
+                await expired
+            await until_queued(3)
             cancelled = stub.ModelInfer(small, timeout=120)
             await until_queued(4)
             cancelled.cancel()
@@ -382,7 +390,7 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED and was_cancelled
         assert all(len(a.raw_output_contents) == 1 for a in answered)
         # Only the flood's rows were computed: neither the expired nor the cancelled request.
-        assert _inference_count(stub, "g2p_encoder") - before == 32 + 3
+        assert _inference_count(stub, "g2p_encoder") - before == 64 + 3
     after = scrape(quiet_server.metrics_url)
 
     def grew(series: str) -> float:
