@@ -116,6 +116,13 @@ class _Admission:
         self.tokens_per_second = 0.0  # all instances together, smoothed; 0 until measured
 
     def admit(self, tokens: int, deadline: float | None) -> None:
+        """Reserve queue room for `tokens`, or raise the refusal."""
+        self.check(tokens, deadline)
+        self.queued_requests += 1
+        self.queued_tokens += tokens
+
+    def check(self, tokens: int, deadline: float | None) -> None:
+        """Raise the refusal a request of `tokens` would get now; with 0, a refusal any request would get."""
         c = self.config
         if self.queued_requests + 1 > c.max_queue_requests or self.queued_tokens + tokens > c.max_queue_tokens:
             raise ResourceExhausted(
@@ -138,8 +145,6 @@ class _Admission:
                     f"model '{self.name}': the predicted wait of {wait * 1e3:.0f} ms exceeds the request's deadline",
                     retry_after_ms=self.predicted_wait_ms(tokens),
                 )
-        self.queued_requests += 1
-        self.queued_tokens += tokens
 
     def release(self, tokens: int) -> None:
         self.queued_requests -= 1
@@ -152,9 +157,15 @@ class _Admission:
         rate = tokens / seconds * self.instances
         self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
 
-    def predicted_wait_ms(self, tokens: int) -> int | None:
+    def seed(self, tokens: int, seconds: float) -> None:
+        """A first estimate, from one instance's warm-up batch, until batches under load replace it."""
+        if seconds > 0 and not self.tokens_per_second:
+            self.tokens_per_second = tokens / seconds * self.instances
+
+    def predicted_wait_ms(self, tokens: int) -> int:
+        """The retry hint; before any throughput is measured, the longest the queue means to hold anyone."""
         if not self.tokens_per_second:
-            return None
+            return max(1, int(self.config.max_queue_wait_ms))
         return max(1, int((self.queued_tokens + tokens) / self.tokens_per_second * 1e3))
 
 

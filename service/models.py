@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import string
 import time
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem
-from service.codec import datatype_of
+from service.codec import NUMPY_DTYPES, datatype_of
 from service.errors import InvalidArgument
 from service.generation import Hypothesis
 from service.metrics import ModelObserver
@@ -25,6 +26,8 @@ from service.repository import ModelConfig
 from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
+
+log = logging.getLogger("qkv.models")
 
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
 
@@ -129,6 +132,34 @@ class TensorModel:
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer)
+        self.admission = self.batcher.admission  # the server refuses early with it, before decoding
+
+    def warm_up(self, length: int = 64) -> None:
+        """One batch on each instance before serving. onnxruntime's first run allocates its arena,
+        and the best run's time gives admission a throughput estimate before any request: without
+        one, a flood on a fresh server would be admitted up to the queue limits, seconds of work."""
+        b = self.batcher.config
+        if self.sequence_axis is None or not self.batchable:
+            length = 1
+        rows = max(1, min(self.max_batch_size, b.token_budget // length)) if self.batchable else 1
+        feeds = {}
+        for s in self.inputs:
+            dims = [d if d >= 0 else 1 for d in s.shape]
+            if self.batchable:
+                dims[0] = rows
+            if self._on_sequence_axis(s):
+                dims[self.sequence_axis] = length  # type: ignore[index]
+            feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
+        best = float("inf")
+        try:
+            for instance in range(self.batcher.instances):
+                t0 = time.perf_counter()
+                self.runtime.run(instance, feeds)
+                best = min(best, time.perf_counter() - t0)
+        except Exception as e:  # a graph with inputs ones cannot feed: serve unwarmed, measure later
+            log.warning("model '%s': warm-up skipped: %s", self.name, e)
+            return
+        self.admission.seed(rows * length, best)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:
@@ -280,6 +311,7 @@ class G2PModel:
         self.max_batch_size = config.batching.max_batch_size
         self.stats = ModelStats()
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
+        self.admission = self.scheduler.admission
 
     def words(self, text: np.ndarray) -> list[list[str]]:
         """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""

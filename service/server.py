@@ -213,9 +213,12 @@ class InferenceService:
                 raise Unavailable("the server is shutting down")
             server.active += 1
             try:
-                inputs = self._decode(request)
                 remaining = context.time_remaining()
                 deadline = time.monotonic() + remaining if remaining is not None else None
+                # What any request would be refused now is refused before its tensors are decoded:
+                # under overload, refusing is most of the work and must stay cheap.
+                model.admission.check(0, deadline)
+                inputs = self._decode(request)
                 outputs = [o.name for o in request.outputs]
                 result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline)
             finally:
@@ -263,7 +266,9 @@ class InferenceService:
                     )
                 )
         if isinstance(outcome, ServingError):
-            await context.abort(grpc.StatusCode[outcome.code], outcome.message)
+            context.set_code(grpc.StatusCode[outcome.code])
+            context.set_details(outcome.message)
+            return None
         return outcome
 
     def _decode(self, request: Any) -> dict[str, np.ndarray]:
@@ -441,7 +446,11 @@ class Server:
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
         for m in self.models.values():
-            (m.batcher if isinstance(m, TensorModel) else m.scheduler).start()
+            if isinstance(m, TensorModel):
+                m.warm_up()
+                m.batcher.start()
+            else:
+                m.scheduler.start()
         await server.start()
         for name in ["", *self.models]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -301,6 +301,15 @@ def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     stop_server(s)
 
 
+def _blocker(rows: int, rng: np.random.Generator) -> Any:
+    """`rows` x 512 tokens in one request: seconds of work that holds the instance computing it."""
+    request = encoder_request(512, VOCAB, rng)
+    ids = np.frombuffer(request.raw_input_contents[0], dtype=np.int64)
+    request.inputs[0].shape[:] = request.inputs[1].shape[:] = [rows, 512]
+    request.raw_input_contents[:] = [np.tile(ids, rows).tobytes(), np.ones(rows * 512, np.int64).tobytes()]
+    return request
+
+
 def _stats(stub: Any, model: str) -> Any:
     return stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=5).model_stats[0]
 
@@ -343,10 +352,7 @@ def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server:
 
 def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningServer) -> None:
     rng = np.random.default_rng(5)
-    blocker = encoder_request(512, VOCAB, rng)  # 64 x 512 tokens: about four seconds on the one instance
-    ids = np.frombuffer(blocker.raw_input_contents[0], dtype=np.int64)
-    blocker.inputs[0].shape[:] = blocker.inputs[1].shape[:] = [64, 512]
-    blocker.raw_input_contents[:] = [np.tile(ids, 64).tobytes(), np.ones(64 * 512, np.int64).tobytes()]
+    blocker = _blocker(64, rng)  # about four seconds on the one instance
     small = encoder_request(16, VOCAB, rng)
 
     def queued() -> float:
@@ -425,3 +431,83 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
     lowered = [tid for tid, nice in nices.items() if nice == 10]  # the default --compute-nice
     # at least the g2p_encoder instance's thread and each g2p instance's decoding thread
     assert len(lowered) >= 2, nices
+
+
+def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None:
+    """Under overload refusing is most of the work: a request is refused before its tensors are
+    decoded or checked, with the reason and a retry hint, and the server serves on afterwards."""
+    one_queued = {"instances": 1, "batching": {"max_queue_requests": 1, "max_queue_wait_ms": 60_000}}
+    s = start_server(["--model-repository", str(variant(MODELS, tmp_path / "models", {"g2p_encoder": one_queued}))],
+                     tmp_path / "server.log")  # fmt: skip
+    rng = np.random.default_rng(7)
+    blocker = _blocker(32, rng)
+    malformed = encoder_request(16, VOCAB, rng)
+    malformed.raw_input_contents[0] = malformed.raw_input_contents[0][:-3]  # not a whole number of INT64s
+
+    async def run() -> tuple[grpc.aio.AioRpcError, Any]:
+        big = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(s.url, options=big) as channel:
+            stub = protocol.Stub(channel)
+            first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
+            await asyncio.sleep(0.1)  # computing: the queue is empty again
+            queued = asyncio.ensure_future(stub.ModelInfer(encoder_request(16, VOCAB, rng), timeout=120))
+            end = time.monotonic() + 30
+            while scrape(s.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0) != 1:
+                assert time.monotonic() < end, "the queue never held the second request"
+                await asyncio.sleep(0.02)
+            call = stub.ModelInfer(malformed, timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            trailers = await call.trailing_metadata()
+            assert not first.done(), "the blocker finished early: the queue was not full"
+            await asyncio.gather(first, queued)
+            return refused.value, trailers
+
+    try:
+        refused, trailers = asyncio.run(run())
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 requests / 16 tokens queued (limits 1 /" in (refused.details() or "")
+        assert int(dict(trailers)["grpc-retry-pushback-ms"]) >= 1
+        with grpc.insecure_channel(s.url) as channel, pytest.raises(grpc.RpcError) as invalid:
+            protocol.Stub(channel).ModelInfer(malformed, timeout=30)  # the queue is empty: now it is read
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "input_ids" in (invalid.value.details() or "")
+    finally:
+        stop_server(s)
+
+
+def test_a_fresh_server_holds_a_flood_to_its_queueing_objective(tmp_path: Path) -> None:
+    """The warm-up batch at start gives admission a throughput estimate, so the first flood is held
+    to max_queue_wait_ms of queued work; without it, all of it would be admitted up to the queue limits."""
+    objective = {"instances": 1, "batching": {"max_queue_wait_ms": 25}}
+    s = start_server(["--model-repository", str(variant(MODELS, tmp_path / "models", {"g2p_encoder": objective}))],
+                     tmp_path / "server.log")  # fmt: skip
+    rng = np.random.default_rng(8)
+    flood = [encoder_request(256, VOCAB, rng) for _ in range(40)]  # 10,240 tokens, well inside the queue limits
+
+    async def run() -> list[str]:
+        big = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(s.url, options=big) as channel:
+            stub = protocol.Stub(channel)
+            first = asyncio.ensure_future(stub.ModelInfer(_blocker(32, rng), timeout=120))
+            await asyncio.sleep(0.1)  # computing; nothing queued yet and no batch measured under load
+
+            async def one(request: Any) -> str:
+                try:
+                    await stub.ModelInfer(request, timeout=120)
+                    return "OK"
+                except grpc.aio.AioRpcError as e:
+                    assert "predicted queueing" in (e.details() or ""), e.details()
+                    return e.code().name
+
+            codes = await asyncio.gather(*(one(r) for r in flood))
+            await first
+            return codes
+
+    try:
+        codes = Counter(asyncio.run(run()))
+        # 25 ms of seq-256 work is a few requests on one instance here; allow a machine 4x faster.
+        assert codes["RESOURCE_EXHAUSTED"] >= 20 and codes["OK"] <= 20 and codes["OK"] >= 1, codes
+        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
+    finally:
+        stop_server(s)
