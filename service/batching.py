@@ -463,7 +463,7 @@ class GenerationScheduler:
         now = time.monotonic()
         rows = len(batch)
         joined: list[Hypothesis] = []
-        if rows and not c.continuous:
+        if rows and not (c.continuous and c.enabled):  # static batching, or none: no one joins a running batch
             return joined
         for item in [x for x in self.queue if x.payload.beam_size == 1]:
             self._gone(item, now)

@@ -374,6 +374,28 @@ def _g2p_section(servers: _Servers, words: list[str], seconds: float, results: d
                         "words_per_s": {"batched": batched["rps"] * per_request,
                                         "unbatched": alone["rps"] * per_request},
                         "ratio": batched["rps"] / alone["rps"]}  # fmt: skip
+    results["g2p_c64"]["compute_only"] = _g2p_compute_bound(servers.models, words)
+
+
+def _g2p_compute_bound(models: Path, words: list[str], n: int = 256) -> dict[str, float]:
+    """Words/s of in-process greedy decoding on one thread, a word at a time and 32 together (what
+    c64 gives each of two instances): the batched / off ratio compute alone allows, before any serving
+    cost. Static batches sorted by length, so an upper bound on what continuous batching gets."""
+    from service.generation import greedy_decode
+    from service.models import normalize_word
+    from service.seq2seq import GRAPHEMES_FILE, OnnxSeq2Seq
+    from service.vocab import Vocabulary
+
+    version = models / "g2p" / "1"
+    graphemes, model = Vocabulary.load(version / GRAPHEMES_FILE), OnnxSeq2Seq(version, session_options(1))
+    sources = [graphemes.encode(w) for w in map(normalize_word, words[:n]) if w]
+    greedy_decode(model, sources[:32], 40, batch_size=32)  # warm-up
+    rates = {}
+    for batch in (1, 32):
+        t0 = time.perf_counter()
+        greedy_decode(model, sources, 40, batch_size=batch)
+        rates[batch] = len(sources) / (time.perf_counter() - t0)
+    return {"words_per_s_batch1": rates[1], "words_per_s_batch32": rates[32], "ratio": rates[32] / rates[1]}
 
 
 def _continuous_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
@@ -641,6 +663,13 @@ def targets_table(r: dict[str, Any]) -> str:
             f"{c32['compute_cpu_per_sequence_ms']:.2f} ms of raw compute per sequence. With nothing but that "
             f"floor added, served / ceiling could reach at most "
             f"{c32['ratio_bound_from_bare_rpc']:.2f}."
+        )
+    bound = r.get("g2p_c64", {}).get("compute_only")
+    if bound:
+        notes.append(
+            f"\ng2p decoding in process, one thread, no server: {bound['words_per_s_batch1']:.0f} words/s a word "
+            f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
+            f"batched / off ratio of {bound['ratio']:.2f}."
         )
     return "\n".join(rows + notes) + "\n"
 

@@ -286,6 +286,31 @@ def test_continuous_batching_gives_each_word_what_it_gets_alone(g2p_graphs: tupl
     assert any(b > a > 0 for a, b in itertools.pairwise(rows)), f"no word joined a running batch: {rows}"
 
 
+def test_with_batching_off_a_request_decodes_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
+    model, graphemes = g2p_graphs
+    words = ["internationalization", "cat", "on", "the", "mat", "dog"]
+    alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in words}
+
+    async def run() -> tuple[list[list[int]], Recorder]:
+        seen = Recorder()
+        scheduler = GenerationScheduler("g2p", BatchingConfig(enabled=False, min_join_rows=1), [model], observer=seen)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        async def convert(word: str) -> list[int]:
+            item = WorkItem(1, len(word) + 1, WordsRequest([graphemes.encode(word)], 40), loop.create_future())
+            (hyp,) = await scheduler.submit(item)
+            return hyp.output
+
+        served = await asyncio.gather(*[convert(w) for w in words])
+        await scheduler.close()
+        return served, seen
+
+    served, seen = asyncio.run(run())
+    assert served == [alone[w] for w in words]
+    assert {rows for rows, _, _ in seen.batches} == {1}, "a word joined another request's decode"
+
+
 # -- over the wire: a real server ----------------------------------------------------------------
 
 
