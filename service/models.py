@@ -139,8 +139,6 @@ class TensorModel:
         and the best run's time gives admission a throughput estimate before any request: without
         one, a flood on a fresh server would be admitted up to the queue limits, seconds of work."""
         b = self.batcher.config
-        if self.sequence_axis is None or not self.batchable:
-            length = 1
         rows = max(1, min(self.max_batch_size, b.token_budget // length)) if self.batchable else 1
         feeds = {}
         for s in self.inputs:
@@ -152,6 +150,7 @@ class TensorModel:
             feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
         best = float("inf")
         try:
+            tokens = rows * self._length(feeds)  # counted as a request's tokens are
             for instance in range(self.batcher.instances):
                 t0 = time.perf_counter()
                 self.runtime.run(instance, feeds)
@@ -159,7 +158,7 @@ class TensorModel:
         except Exception as e:  # a graph with inputs ones cannot feed: serve unwarmed, measure later
             log.warning("model '%s': warm-up skipped: %s", self.name, e)
             return
-        self.admission.seed(rows * length, best)
+        self.admission.seed(tokens, best)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:
