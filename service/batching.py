@@ -433,15 +433,24 @@ class GenerationScheduler:
     # -- called on the decoding threads ------------------------------------------------------
 
     def _resolve(self, item: WorkItem, result: Any = None, error: BaseException | None = None) -> None:
+        self._resolve_all([(item, result, error)])
+
+    def _resolve_all(self, outcomes: list[tuple[WorkItem, Any, BaseException | None]]) -> None:
+        """Hand results to the event loop: one wake-up for all of them (each costs a write to its
+        self-pipe, a system call made holding the GIL the loop needs)."""
+
         def settle() -> None:
-            if not item.future.done():
+            for item, result, error in outcomes:
+                if item.future.done():
+                    continue
                 if error is not None:
                     item.future.set_exception(error)
                 else:
                     item.future.set_result(result)
 
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(settle)
+        if outcomes:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(settle)
 
     def _pop(self, item: WorkItem) -> None:
         self.queue.remove(item)
@@ -498,13 +507,17 @@ class GenerationScheduler:
                 return item
         return None
 
-    def _finish(self, h: Hypothesis) -> None:
-        item, j = h.tag  # type: ignore[misc]
-        req: WordsRequest = item.payload
-        req.results[j] = h
-        req.remaining -= 1
-        if req.remaining == 0:
-            self._resolve(item, req.results)
+    def _finish(self, finished: list[Hypothesis]) -> None:
+        """Record finished words; answer the requests whose words are now all done."""
+        done: list[tuple[WorkItem, Any, BaseException | None]] = []
+        for h in finished:
+            item, j = h.tag  # type: ignore[misc]
+            req: WordsRequest = item.payload
+            req.results[j] = h
+            req.remaining -= 1
+            if req.remaining == 0:
+                done.append((item, req.results, None))
+        self._resolve_all(done)
 
     def _work(self, instance: int) -> None:
         priority.lower_this_thread()
@@ -538,11 +551,10 @@ class GenerationScheduler:
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
+            self._finish(finished)  # answer first, then account
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=bool(self.queue))
-            for h in finished:
-                self._finish(h)
 
     def _run_beam(self, item: WorkItem, model: StepModel) -> None:
         req: WordsRequest = item.payload

@@ -53,13 +53,18 @@ def pad_ids(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, (ids != 0).astype(np.int64)
 
 
-def _pad_axis(a: np.ndarray, axis: int, size: int, left: bool = False) -> np.ndarray:
-    missing = size - a.shape[axis]
-    if missing <= 0:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (missing, 0) if left else (0, missing)
-    return np.pad(a, widths)
+def _gather_rows(
+    a: np.ndarray, index: np.ndarray, rows: int, width: int | None = None, new: np.ndarray | None = None
+) -> np.ndarray:
+    """(L, B, H, W, K) -> (L, rows, H, width, K): rows `index` of `a`, then the rows of `new`, then
+    zeros; every row zero-padded along axis 3. One allocation, each value copied once."""
+    layers, _, heads, w, d_k = a.shape
+    out = np.zeros((layers, rows, heads, w if width is None else width, d_k), dtype=a.dtype)
+    k = len(index)
+    np.take(a, index, axis=1, out=out[:, :k, :, :w], mode="clip")  # clip: no bounds-check buffer
+    if new is not None:
+        out[:, k : k + new.shape[1], :, : new.shape[3]] = new
+    return out
 
 
 @dataclass
@@ -98,46 +103,85 @@ class DecodingBatch:
         self.past_keys: np.ndarray | None = None
         self.past_values: np.ndarray | None = None
         self.cache_mask = np.zeros((0, 0), dtype=np.int64)  # (B, T)
+        self._staying: list[int] | None = None  # after a step where rows finished: the rows that stay
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self._staying is None else len(self._staying)
 
     @property
     def cache_length(self) -> int:
         return self.cache_mask.shape[1]
 
     def add(self, hyps: Sequence[Hypothesis]) -> None:
-        """Encode the new rows together and merge them into the running batch."""
+        """Encode the new rows together and merge them into the running batch.
+
+        Rows that finished at the last step leave here too: the arrays are rebuilt once, the
+        rows that stay copied in and the new rows written after them, instead of a copy to
+        drop the finished rows and another to append the new ones.
+        """
         if not hyps:
+            self._rebuild()
             return
         ids, mask = pad_ids([h.src for h in hyps])
         ck, cv = self.model.encode(ids, mask)
-        n = len(hyps)
         for h in hyps:
             h.tokens, h.eos = [self.bos_id], self.eos_id
-        if self.cross_keys is None or self.past_keys is None or self.past_values is None or not self.rows:
-            layers, _, heads, _, d_k = ck.shape
+        self._rebuild(list(hyps), ck, cv, mask)
+
+    def _rebuild(
+        self,
+        hyps: list[Hypothesis] | None = None,
+        ck: np.ndarray | None = None,
+        cv: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+    ) -> None:
+        """Apply the rows that left at the last step (`_staying`) and append `hyps`, in one copy.
+
+        The self-attention cache keeps only the columns some staying row uses (new rows have no
+        history: theirs is padding, masked out); the memory keeps the longest staying source.
+        """
+        staying, self._staying = self._staying, None
+        if staying is None and not hyps:
+            return
+        old = self.rows if staying is None else [self.rows[i] for i in staying]
+        new = hyps or []
+        if not old and not new:
+            self.rows, self.cache_mask, self.memory_mask = [], self.cache_mask[:0, :0], self.memory_mask[:0, :0]
+            return
+        if not old:  # a fresh batch: the encoder's arrays are the memory as they are
+            assert ck is not None and cv is not None and mask is not None
+            layers, n, heads, _, d_k = ck.shape
             self.cross_keys, self.cross_values, self.memory_mask = ck, cv, mask
             self.past_keys = np.zeros((layers, n, heads, 0, d_k), dtype=ck.dtype)
-            self.past_values = self.past_keys.copy()
+            self.past_values = self.past_keys
             self.cache_mask = np.zeros((n, 0), dtype=np.int64)
-            self.rows = list(hyps)
+            self.rows = new
             return
-        assert self.cross_values is not None
-        s = max(self.memory_mask.shape[1], mask.shape[1])
-        self.cross_keys = np.concatenate([_pad_axis(self.cross_keys, 3, s), _pad_axis(ck, 3, s)], axis=1)
-        self.cross_values = np.concatenate([_pad_axis(self.cross_values, 3, s), _pad_axis(cv, 3, s)], axis=1)
-        self.memory_mask = np.concatenate([_pad_axis(self.memory_mask, 1, s), _pad_axis(mask, 1, s)], axis=0)
-        # New rows have no history: their cache is all padding, masked out, up to the batch's length.
-        layers, _, heads, t, d_k = self.past_keys.shape
-        empty = np.zeros((layers, n, heads, t, d_k), dtype=self.past_keys.dtype)
-        self.past_keys = np.concatenate([self.past_keys, empty], axis=1)
-        self.past_values = np.concatenate([self.past_values, empty], axis=1)
-        self.cache_mask = np.concatenate([self.cache_mask, np.zeros((n, t), dtype=np.int64)], axis=0)
-        self.rows.extend(hyps)
+        assert self.past_keys is not None and self.past_values is not None
+        assert self.cross_keys is not None and self.cross_values is not None
+        idx = np.arange(len(self.rows)) if staying is None else np.asarray(staying, dtype=np.int64)
+        cache_mask = self.cache_mask[idx]
+        used = np.flatnonzero(cache_mask.any(axis=0))
+        first = int(used[0]) if used.size else cache_mask.shape[1]
+        s_old = max(len(h.src) for h in old)
+        s = max(s_old, mask.shape[1] if mask is not None else 0)
+        k, rows = len(old), len(old) + len(new)
+        self.past_keys = _gather_rows(self.past_keys[:, :, :, first:], idx, rows)
+        self.past_values = _gather_rows(self.past_values[:, :, :, first:], idx, rows)
+        self.cross_keys = _gather_rows(self.cross_keys[:, :, :, :s_old], idx, rows, s, ck)
+        self.cross_values = _gather_rows(self.cross_values[:, :, :, :s_old], idx, rows, s, cv)
+        self.cache_mask = np.zeros((rows, cache_mask.shape[1] - first), dtype=np.int64)
+        self.cache_mask[:k] = cache_mask[:, first:]
+        memory_mask = np.zeros((rows, s), dtype=np.int64)
+        memory_mask[:k, :s_old] = self.memory_mask[idx, :s_old]
+        if mask is not None:
+            memory_mask[k:, : mask.shape[1]] = mask
+        self.memory_mask = memory_mask
+        self.rows = old + new
 
     def step(self) -> list[Hypothesis]:
         """Advance every row by one token; return the rows that finished (and leave the batch)."""
+        self._rebuild()
         assert self.past_keys is not None and self.past_values is not None
         assert self.cross_keys is not None and self.cross_values is not None
         tokens = np.array([h.tokens[-1] for h in self.rows], dtype=np.int64)
@@ -168,26 +212,8 @@ class DecodingBatch:
             else:
                 keep.append(i)
         if finished:
-            self._keep(keep)
+            self._staying = keep  # they leave at the next add or step: one copy with the rows joining
         return finished
-
-    def _keep(self, index: list[int]) -> None:
-        """Drop finished rows, then trim cache and memory columns no remaining row uses."""
-        assert self.past_keys is not None and self.past_values is not None
-        assert self.cross_keys is not None and self.cross_values is not None
-        self.rows = [self.rows[i] for i in index]
-        idx = np.asarray(index, dtype=np.int64)
-        self.cache_mask = self.cache_mask[idx]
-        self.memory_mask = self.memory_mask[idx]
-        used = np.flatnonzero(self.cache_mask.any(axis=0))
-        first = int(used[0]) if used.size else self.cache_mask.shape[1]
-        s = max((len(h.src) for h in self.rows), default=0)
-        self.cache_mask = self.cache_mask[:, first:]
-        self.memory_mask = self.memory_mask[:, :s]
-        self.past_keys = self.past_keys[:, idx, :, first:]
-        self.past_values = self.past_values[:, idx, :, first:]
-        self.cross_keys = self.cross_keys[:, idx, :, :s]
-        self.cross_values = self.cross_values[:, idx, :, :s]
 
 
 def greedy_decode(

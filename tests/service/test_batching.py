@@ -27,7 +27,7 @@ from service import protocol
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
 from service.bench import scrape, variant
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
-from service.generation import greedy_decode
+from service.generation import DecodingBatch, Hypothesis, greedy_decode
 from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import OnnxSeq2Seq, session_options
@@ -284,6 +284,34 @@ def test_continuous_batching_gives_each_word_what_it_gets_alone(g2p_graphs: tupl
     assert served == alone
     rows = [r for r, _, _ in seen.batches]
     assert any(b > a > 0 for a, b in itertools.pairwise(rows)), f"no word joined a running batch: {rows}"
+
+
+def test_rows_leaving_and_joining_at_one_step_decode_as_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
+    """The batch's arrays are rebuilt once when rows leave and join together: every word still gets
+    its own phonemes and log-probability, and the cache sheds the columns only departed rows used."""
+    model, graphemes = g2p_graphs
+    words = ["the", "internationalization", "of", "a", "cat", "on", "counterrevolutionaries", "mat", "by", "it"]
+    sources = [graphemes.encode(w) for w in [*words, "electroencephalograph", "far", "up", "dog", "ran"] * 3]
+    alone = [greedy_decode(model, [s], 40)[0] for s in sources]
+    rng, batch, got, merged = random.Random(0), DecodingBatch(model), {}, 0
+    i, live, finished = 0, {}, []
+    while i < len(sources) or live:
+        if i < len(sources) and rng.random() < 0.5:
+            joining = [Hypothesis(s, 40, tag=j) for j, s in enumerate(sources[i : i + rng.randint(1, 4)], start=i)]
+            batch.add(joining)
+            merged += bool(finished) and len(live) > 0
+            live.update((h.tag, h) for h in joining)
+            i += len(joining)
+        finished = []
+        if live:
+            oldest = max(len(h.tokens) for h in live.values())  # the cache holds its history, no more
+            finished = batch.step()
+            assert batch.cache_length == oldest
+        for h in finished:
+            got[h.tag] = live.pop(h.tag)
+    assert [got[j].output for j in range(len(sources))] == [h.output for h in alone]
+    assert max(abs(got[j].score - h.score) for j, h in enumerate(alone)) < 1e-4
+    assert merged > 5, "no step had rows leaving and joining together"
 
 
 def test_with_batching_off_a_request_decodes_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
