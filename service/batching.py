@@ -213,7 +213,7 @@ class DynamicBatcher:
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
         self._executors = [
-            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread) for i in range(self.instances)
+            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread, (i,)) for i in range(self.instances)
         ]
         self._idle = list(range(self.instances - 1, -1, -1))  # a stack: instance 0 on top
         self._dispatcher: asyncio.Task[None] | None = None
@@ -520,7 +520,7 @@ class GenerationScheduler:
         self._resolve_all(done)
 
     def _work(self, instance: int) -> None:
-        priority.lower_this_thread()
+        priority.lower_this_thread(instance)
         model = self.models[instance]
         batch = DecodingBatch(model)
         while True:

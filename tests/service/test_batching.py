@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import threading
 import time
@@ -484,6 +485,14 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
     lowered = [tid for tid, nice in nices.items() if nice == 10]  # the default --compute-nice
     # at least the g2p_encoder instance's thread and each g2p instance's decoding thread
     assert len(lowered) >= 2, nices
+    # Each compute thread keeps to one core, and a model's instances to different ones; the event loop
+    # may run anywhere.
+    cores = sorted(os.sched_getaffinity(0))  # what the server inherited from this process
+    if len(cores) > 1:
+        assert sorted(os.sched_getaffinity(pid)) == cores, "the event loop was pinned"
+        placed = {tid: sorted(os.sched_getaffinity(tid)) for tid in lowered}
+        assert all(len(c) == 1 for c in placed.values()), placed
+        assert len({c[0] for c in placed.values()}) == min(2, len(cores)), placed
 
 
 def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None:
