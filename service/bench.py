@@ -206,6 +206,7 @@ def _test_words() -> list[str]:
 
 OVERLOAD_QUEUE_WAIT_MS = 25.0
 THROUGHPUT_QUEUE_WAIT_MS = 10_000.0
+CONTINUOUS_ROUNDS = 3
 SECTIONS = ("ceiling", "mixed", "overload", "g2p", "continuous", "metrics", "kv")
 
 
@@ -407,16 +408,23 @@ def _continuous_section(servers: _Servers, words: list[str], seconds: float, res
     def kind(w: str) -> str:
         return "short" if len(w) <= 5 else "long"
 
-    s = servers.start()
-    cont = _closed(s.url, _word_maker(mix, kind), 32, seconds, "continuous")
-    servers.stop(s)
-    s = servers.start({"g2p": {"batching": {"continuous": False}}})
-    stat = _closed(s.url, _word_maker(mix, kind), 32, seconds, "static")
-    servers.stop(s)
-    results["g2p_short_p99"] = {"continuous": loadgen.summarise(cont, "short"),
-                                "static": loadgen.summarise(stat, "short"),
-                                "ratio": loadgen.summarise(cont, "short")["p99_ms"]
-                                / loadgen.summarise(stat, "short")["p99_ms"]}  # fmt: skip
+    # A tail percentile of one short run swings with this VM (0.34 to 1.19 across runs): the two
+    # settings take turns, CONTINUOUS_ROUNDS each, and the ratio is of the medians of their p99s.
+    p99s: dict[str, list[float]] = {"continuous": [], "static": []}
+    pooled = {"continuous": loadgen.Run(), "static": loadgen.Run()}
+    for r in range(CONTINUOUS_ROUNDS):
+        for name, changes in (("continuous", None), ("static", {"g2p": {"batching": {"continuous": False}}})):
+            s = servers.start(changes)
+            run = _closed(s.url, _word_maker(mix, kind), 32, seconds, f"{name} {r + 1}/{CONTINUOUS_ROUNDS}")
+            servers.stop(s)
+            p99s[name].append(loadgen.summarise(run, "short")["p99_ms"])
+            pooled[name].samples += run.samples
+            pooled[name].wall += run.wall
+            pooled[name].client_cpu += run.client_cpu
+    results["g2p_short_p99"] = {"continuous": loadgen.summarise(pooled["continuous"], "short"),
+                                "static": loadgen.summarise(pooled["static"], "short"),
+                                "p99_ms_by_round": p99s,
+                                "ratio": float(np.median(p99s["continuous"]) / np.median(p99s["static"]))}  # fmt: skip
 
 
 def _metrics_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
@@ -670,6 +678,15 @@ def targets_table(r: dict[str, Any]) -> str:
             f"\ng2p decoding in process, one thread, no server: {bound['words_per_s_batch1']:.0f} words/s a word "
             f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
             f"batched / off ratio of {bound['ratio']:.2f}."
+        )
+    short = r.get("g2p_short_p99", {}).get("p99_ms_by_round")
+    if short:
+        notes.append(
+            "\ng2p short-word p99 by round (ms), continuous: "
+            + ", ".join(f"{x:.1f}" for x in short["continuous"])
+            + "; static: "
+            + ", ".join(f"{x:.1f}" for x in short["static"])
+            + "."
         )
     return "\n".join(rows + notes) + "\n"
 
