@@ -59,7 +59,8 @@ class Doubler:
     """A model for the tensor batcher: each request's payload times two. The first batch holds
     until `gate` opens, so that the test can fill the queue behind it."""
 
-    def __init__(self, hold_first: bool = True) -> None:
+    def __init__(self, hold_first: bool = True, seconds: float = 0.0) -> None:
+        self.seconds = seconds  # each batch's compute time: enough, and batches overlap on a fast machine
         self.gate = threading.Event()
         if not hold_first:
             self.gate.set()
@@ -76,6 +77,7 @@ class Doubler:
             raise ValueError("negative payload")
         if first:
             self.gate.wait(10)
+        time.sleep(self.seconds)
         return [x.payload * 2 for x in items]
 
 
@@ -192,7 +194,7 @@ def test_queue_limits_refuse_at_once_with_a_pushback_hint() -> None:
 
 def test_no_request_is_lost_or_answered_twice_under_concurrent_load() -> None:
     async def run() -> None:
-        model, seen = Doubler(hold_first=False), Recorder()
+        model, seen = Doubler(hold_first=False, seconds=0.002), Recorder()
         b = DynamicBatcher("m", BatchingConfig(max_batch_size=16), model, instances=2, observer=seen)
         b.start()
         rng = random.Random(3)
