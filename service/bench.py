@@ -158,6 +158,35 @@ class _Servers:
             self.stop(s)
 
 
+ROUNDS = 3  # the sections that compare two settings run each this many times, alternating
+Measure = Callable[[ServerProcess, str, str], dict[str, Any]]  # (server, variant, label) -> figures
+
+
+def _take_turns(
+    servers: _Servers,
+    variants: dict[str, tuple[dict[str, dict[str, Any]] | None, list[str] | None]],
+    measure: Measure,
+    rounds: int = ROUNDS,
+) -> dict[str, dict[str, Any]]:
+    """Each variant's server `rounds` times, the variants alternating; per variant, the median of each
+    figure over its rounds (the rounds themselves under "rounds"). This VM's speed drifts within
+    minutes, so one run of A then one of B compares two moments as much as two settings."""
+    by: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, (changes, extra) in variants.items():
+            s = servers.start(changes, extra)
+            try:
+                by[name].append(measure(s, name, f"{name} {r + 1}/{rounds}"))
+            finally:
+                servers.stop(s)
+    return {name: _median_of(runs) for name, runs in by.items()}
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    return {**{k: float(np.median([x[k] for x in runs])) for k in numbers}, "rounds": runs}
+
+
 def _run(coro_factory: Callable[[Callable[[int], None]], Any], label: str, total: int) -> Any:
     with tqdm(total=total, desc=label, unit="req", leave=False, dynamic_ncols=True) as bar:
         return asyncio.run(coro_factory(bar.update))
@@ -206,7 +235,6 @@ def _test_words() -> list[str]:
 
 OVERLOAD_QUEUE_WAIT_MS = 25.0
 THROUGHPUT_QUEUE_WAIT_MS = 10_000.0
-CONTINUOUS_ROUNDS = 3
 SECTIONS = ("ceiling", "mixed", "overload", "g2p", "continuous", "metrics", "kv")
 
 
@@ -319,19 +347,19 @@ def _ceiling_section(servers: _Servers, encoder: Path, vocab: int, seconds: floa
 
 
 def _mixed_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
-    # 2-3. mixed lengths 4..256: length-aware vs plain FIFO (pad to longest).
-    s = servers.start()
-    mixed = _closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds, "mixed aware")
-    aware = loadgen.summarise(mixed)
-    aware["padding_share"] = padding_share(s.metrics_url, "g2p_encoder")
-    results["latency_by_seq_len"] = _by_length(mixed)
-    servers.stop(s)
-    s = servers.start({"g2p_encoder": {"batching": {"length_aware": False}}})
-    fifo = loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds,
-                                     "mixed fifo"))  # fmt: skip
-    fifo["padding_share"] = padding_share(s.metrics_url, "g2p_encoder")
-    servers.stop(s)
-    results["encoder_mixed"] = {"length_aware": aware, "fifo": fifo, "ratio": aware["rps"] / fifo["rps"]}
+    # 2-3. mixed lengths 4..256: length-aware vs plain FIFO (pad to longest), the same lengths each round.
+    aware_runs: list[loadgen.Run] = []
+
+    def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+        run = _closed(s.url, _encoder_maker(lambda r: r.randint(4, 256), vocab, 1), 32, seconds, label)
+        if name == "length_aware":
+            aware_runs.append(run)
+        return {**loadgen.summarise(run), "padding_share": padding_share(s.metrics_url, "g2p_encoder")}
+
+    fifo = {"g2p_encoder": {"batching": {"length_aware": False}}}
+    turns = _take_turns(servers, {"length_aware": (None, None), "fifo": (fifo, None)}, measure)
+    results["latency_by_seq_len"] = _by_length(loadgen.Run([x for run in aware_runs for x in run.samples]))
+    results["encoder_mixed"] = {**turns, "ratio": turns["length_aware"]["rps"] / turns["fifo"]["rps"]}
 
 
 def _overload_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
@@ -363,14 +391,16 @@ def _g2p_section(servers: _Servers, words: list[str], seconds: float, results: d
     # Throughput, not admission, is measured here: 64 x 8 words queued is about a second of work on
     # two cores, at the default 1 s objective, and a closed loop refused there spins instead of waiting.
     loose = {"max_queue_wait_ms": THROUGHPUT_QUEUE_WAIT_MS}
+    off = {"g2p": {"batching": {"enabled": False, **loose}}}
     for per_request, key in ((1, "g2p_c64"), (8, "g2p_c64_8words")):
         make = _words_maker(words, per_request)
-        s = servers.start({"g2p": {"batching": loose}})
-        batched = loadgen.summarise(_closed(s.url, make, 64, seconds, f"g2p batched x{per_request}"))
-        servers.stop(s)
-        s = servers.start({"g2p": {"batching": {"enabled": False, **loose}}})
-        alone = loadgen.summarise(_closed(s.url, make, 64, seconds, f"g2p unbatched x{per_request}"))
-        servers.stop(s)
+
+        def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+            return loadgen.summarise(_closed(s.url, make, 64, seconds, f"g2p x{per_request} {label}"))  # noqa: B023
+
+        turns = _take_turns(servers, {"batched": ({"g2p": {"batching": loose}}, None), "unbatched": (off, None)},
+                            measure)  # fmt: skip
+        batched, alone = turns["batched"], turns["unbatched"]
         results[key] = {"words_per_request": per_request, "batched": batched, "unbatched": alone,
                         "words_per_s": {"batched": batched["rps"] * per_request,
                                         "unbatched": alone["rps"] * per_request},
@@ -408,36 +438,22 @@ def _continuous_section(servers: _Servers, words: list[str], seconds: float, res
     def kind(w: str) -> str:
         return "short" if len(w) <= 5 else "long"
 
-    # A tail percentile of one short run swings with this VM (0.34 to 1.19 across runs): the two
-    # settings take turns, CONTINUOUS_ROUNDS each, and the ratio is of the medians of their p99s.
-    p99s: dict[str, list[float]] = {"continuous": [], "static": []}
-    pooled = {"continuous": loadgen.Run(), "static": loadgen.Run()}
-    for r in range(CONTINUOUS_ROUNDS):
-        for name, changes in (("continuous", None), ("static", {"g2p": {"batching": {"continuous": False}}})):
-            s = servers.start(changes)
-            run = _closed(s.url, _word_maker(mix, kind), 32, seconds, f"{name} {r + 1}/{CONTINUOUS_ROUNDS}")
-            servers.stop(s)
-            p99s[name].append(loadgen.summarise(run, "short")["p99_ms"])
-            pooled[name].samples += run.samples
-            pooled[name].wall += run.wall
-            pooled[name].client_cpu += run.client_cpu
-    results["g2p_short_p99"] = {"continuous": loadgen.summarise(pooled["continuous"], "short"),
-                                "static": loadgen.summarise(pooled["static"], "short"),
-                                "p99_ms_by_round": p99s,
-                                "ratio": float(np.median(p99s["continuous"]) / np.median(p99s["static"]))}  # fmt: skip
+    def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+        return loadgen.summarise(_closed(s.url, _word_maker(mix, kind), 32, seconds, label), "short")
+
+    static = {"g2p": {"batching": {"continuous": False}}}
+    turns = _take_turns(servers, {"continuous": (None, None), "static": (static, None)}, measure)
+    results["g2p_short_p99"] = {**turns, "ratio": turns["continuous"]["p99_ms"] / turns["static"]["p99_ms"]}
 
 
 def _metrics_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
-    """Requests/s with metrics recorded vs not, short requests (where recording weighs most), alternated."""
-    rates: dict[str, list[float]] = {"on": [], "off": []}
-    for _ in range(2):
-        for mode in ("on", "off"):
-            s = servers.start(extra=[] if mode == "on" else ["--no-metrics"])
-            run = _closed(s.url, _encoder_maker(lambda r: 16, vocab), 16, seconds / 2, f"metrics {mode}")
-            rates[mode].append(loadgen.summarise(run)["rps"])
-            servers.stop(s)
-    on, off = float(np.mean(rates["on"])), float(np.mean(rates["off"]))
-    results["metrics_overhead"] = {"rps_on": rates["on"], "rps_off": rates["off"], "overhead": 1 - on / off}
+    """Requests/s with metrics recorded vs not, short requests (where recording weighs most)."""
+
+    def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+        return loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 16, seconds / 2, label))
+
+    turns = _take_turns(servers, {"on": (None, None), "off": (None, ["--no-metrics"])}, measure)
+    results["metrics_overhead"] = {**turns, "overhead": 1 - turns["on"]["rps"] / turns["off"]["rps"]}
 
 
 def _rss_and_fds(pid: int) -> tuple[int, int]:
@@ -679,14 +695,11 @@ def targets_table(r: dict[str, Any]) -> str:
             f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
             f"batched / off ratio of {bound['ratio']:.2f}."
         )
-    short = r.get("g2p_short_p99", {}).get("p99_ms_by_round")
-    if short:
+    short = r.get("g2p_short_p99", {})
+    if "rounds" in short.get("continuous", {}):
+        by_round = {k: ", ".join(f"{x['p99_ms']:.1f}" for x in short[k]["rounds"]) for k in ("continuous", "static")}
         notes.append(
-            "\ng2p short-word p99 by round (ms), continuous: "
-            + ", ".join(f"{x:.1f}" for x in short["continuous"])
-            + "; static: "
-            + ", ".join(f"{x:.1f}" for x in short["static"])
-            + "."
+            f"\ng2p short-word p99 by round (ms), continuous: {by_round['continuous']}; static: {by_round['static']}."
         )
     return "\n".join(rows + notes) + "\n"
 
