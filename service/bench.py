@@ -170,7 +170,8 @@ def _take_turns(
 ) -> dict[str, dict[str, Any]]:
     """Each variant's server `rounds` times, the variants alternating; per variant, the median of each
     figure over its rounds (the rounds themselves under "rounds"). This VM's speed drifts within
-    minutes, so one run of A then one of B compares two moments as much as two settings."""
+    minutes, so one run of A then one of B compares two moments as much as two settings: compare
+    with `_paired_ratio`."""
     by: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for r in range(rounds):
         for name, (changes, extra) in variants.items():
@@ -180,6 +181,13 @@ def _take_turns(
             finally:
                 servers.stop(s)
     return {name: _median_of(runs) for name, runs in by.items()}
+
+
+def _paired_ratio(turns: dict[str, dict[str, Any]], a: str, b: str, figure: str) -> float:
+    """The median over rounds of a's figure / b's: each pair ran back to back, so a drift of the VM's
+    speed between rounds cancels in the ratio."""
+    pairs = zip(turns[a]["rounds"], turns[b]["rounds"], strict=True)
+    return float(np.median([x[figure] / y[figure] for x, y in pairs]))
 
 
 def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -359,7 +367,7 @@ def _mixed_section(servers: _Servers, vocab: int, seconds: float, results: dict[
     fifo = {"g2p_encoder": {"batching": {"length_aware": False}}}
     turns = _take_turns(servers, {"length_aware": (None, None), "fifo": (fifo, None)}, measure)
     results["latency_by_seq_len"] = _by_length(loadgen.Run([x for run in aware_runs for x in run.samples]))
-    results["encoder_mixed"] = {**turns, "ratio": turns["length_aware"]["rps"] / turns["fifo"]["rps"]}
+    results["encoder_mixed"] = {**turns, "ratio": _paired_ratio(turns, "length_aware", "fifo", "rps")}
 
 
 def _overload_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
@@ -404,7 +412,7 @@ def _g2p_section(servers: _Servers, words: list[str], seconds: float, results: d
         results[key] = {"words_per_request": per_request, "batched": batched, "unbatched": alone,
                         "words_per_s": {"batched": batched["rps"] * per_request,
                                         "unbatched": alone["rps"] * per_request},
-                        "ratio": batched["rps"] / alone["rps"]}  # fmt: skip
+                        "ratio": _paired_ratio(turns, "batched", "unbatched", "rps")}  # fmt: skip
     results["g2p_c64"]["compute_only"] = _g2p_compute_bound(servers.models, words)
 
 
@@ -443,17 +451,17 @@ def _continuous_section(servers: _Servers, words: list[str], seconds: float, res
 
     static = {"g2p": {"batching": {"continuous": False}}}
     turns = _take_turns(servers, {"continuous": (None, None), "static": (static, None)}, measure)
-    results["g2p_short_p99"] = {**turns, "ratio": turns["continuous"]["p99_ms"] / turns["static"]["p99_ms"]}
+    results["g2p_short_p99"] = {**turns, "ratio": _paired_ratio(turns, "continuous", "static", "p99_ms")}
 
 
 def _metrics_section(servers: _Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
     """Requests/s with metrics recorded vs not, short requests (where recording weighs most)."""
 
     def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
-        return loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 16, seconds / 2, label))
+        return loadgen.summarise(_closed(s.url, _encoder_maker(lambda r: 16, vocab), 16, seconds, label))
 
     turns = _take_turns(servers, {"on": (None, None), "off": (None, ["--no-metrics"])}, measure)
-    results["metrics_overhead"] = {**turns, "overhead": 1 - turns["on"]["rps"] / turns["off"]["rps"]}
+    results["metrics_overhead"] = {**turns, "overhead": 1 - _paired_ratio(turns, "on", "off", "rps")}
 
 
 def _rss_and_fds(pid: int) -> tuple[int, int]:
