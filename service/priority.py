@@ -10,6 +10,8 @@ Niced threads are also spread over the cores by hand: the kernel balances cores 
 of what runs on them, and a nice-10 thread weighs a tenth of the event loop, so it packed both
 instances of a model onto one core and left a quarter of the other idle (g2p, two instances,
 c64: 0.26-0.28 of a core idle and 963-1,072 words/s; pinned, 0.07-0.09 idle and 1,194-1,390).
+Not under a CPU quota smaller than the cores the process may use (a container limited to 2 CPUs
+on a 64-core node): every such container would pin its compute onto the same first cores.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["configure", "lower_this_thread", "run_lowered"]
+__all__ = ["configure", "cpu_quota", "dedicated_cores", "lower_this_thread", "run_lowered"]
 
 _nice = 0
 _cores: list[int] = []  # the cores this process may use, for spreading compute threads
@@ -31,7 +34,29 @@ def configure(nice: int) -> None:
     """How much lower (0..19) compute threads run than the thread that serves gRPC."""
     global _nice, _cores
     _nice = max(0, min(19, nice))
-    _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    _cores = dedicated_cores()
+
+
+def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
+    """The cores this process may use, if it may use them all: [] under a smaller CPU quota."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    quota = cpu_quota(cgroup)
+    return [] if quota is not None and quota < len(cores) else cores
+
+
+def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the cgroup's quota allows (v2 cpu.max, or v1 cfs quota / period); None when unlimited or unknown."""
+    try:
+        if (cgroup / "cpu.max").exists():
+            quota, period = (cgroup / "cpu.max").read_text().split()
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us < 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 def lower_this_thread(slot: int | None = None) -> None:

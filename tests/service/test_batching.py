@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import protocol
+from service import priority, protocol
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
 from service.bench import scrape, variant
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
@@ -495,6 +495,26 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
         placed = {tid: sorted(os.sched_getaffinity(tid)) for tid in lowered}
         assert all(len(c) == 1 for c in placed.values()), placed
         assert len({c[0] for c in placed.values()}) == min(2, len(cores)), placed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_compute_threads_are_pinned_only_where_the_process_may_use_all_its_cores(tmp_path: Path) -> None:
+    """Under a CPU quota smaller than its CPU set (a container limited to 2 CPUs on a big node), pinning
+    would put every such container's compute on the same first cores: no pinning there."""
+    cores = sorted(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for cpu_max, pinned in (("max 100000", cores), (f"{len(cores) * 100000} 100000", cores),
+                            (f"{len(cores) * 100000 - 50000} 100000", [])):  # fmt: skip
+        (v2 / "cpu.max").write_text(cpu_max + "\n")
+        assert priority.dedicated_cores(v2) == pinned, cpu_max
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert priority.cpu_quota(v1) is None and priority.dedicated_cores(v1) == cores
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert priority.cpu_quota(v1) == 0.5 and priority.dedicated_cores(v1) == []
 
 
 def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None:
