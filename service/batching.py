@@ -212,8 +212,10 @@ class DynamicBatcher:
         self.admission = _Admission(name, config, self.instances)
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
+        first = priority.reserve(self.instances)
         self._executors = [
-            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread, (i,)) for i in range(self.instances)
+            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread, (first + i,))
+            for i in range(self.instances)
         ]
         self._idle = list(range(self.instances - 1, -1, -1))  # a stack: instance 0 on top
         self._dispatcher: asyncio.Task[None] | None = None
@@ -404,8 +406,9 @@ class GenerationScheduler:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"qkv-{self.name}-{i}", daemon=True)
-                         for i in range(len(self.models))]  # fmt: skip
+        first = priority.reserve(len(self.models))
+        self._threads = [threading.Thread(target=self._work, args=(i, first + i), name=f"qkv-{self.name}-{i}",
+                                          daemon=True) for i in range(len(self.models))]  # fmt: skip
         for t in self._threads:
             t.start()
 
@@ -519,8 +522,8 @@ class GenerationScheduler:
                 done.append((item, req.results, None))
         self._resolve_all(done)
 
-    def _work(self, instance: int) -> None:
-        priority.lower_this_thread(instance)
+    def _work(self, instance: int, slot: int) -> None:
+        priority.lower_this_thread(slot)
         model = self.models[instance]
         batch = DecodingBatch(model)
         while True:

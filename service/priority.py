@@ -23,10 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["configure", "cpu_quota", "dedicated_cores", "lower_this_thread", "run_lowered"]
+__all__ = ["configure", "cpu_quota", "dedicated_cores", "lower_this_thread", "reserve", "run_lowered"]
 
 _nice = 0
 _cores: list[int] = []  # the cores this process may use, for spreading compute threads
+_slots = 0  # compute slots handed out so far (see `reserve`)
 T = TypeVar("T")
 
 
@@ -35,6 +36,14 @@ def configure(nice: int) -> None:
     global _nice, _cores
     _nice = max(0, min(19, nice))
     _cores = dedicated_cores()
+
+
+def reserve(instances: int) -> int:
+    """The first of `instances` consecutive slots for one model's compute threads: slots, and so
+    cores, continue across models, so that two one-instance models do not share a core."""
+    global _slots
+    first, _slots = _slots, _slots + instances
+    return first
 
 
 def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
@@ -62,8 +71,8 @@ def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
 def lower_this_thread(slot: int | None = None) -> None:
     """Called first thing in every compute thread (and around session loading, with no slot).
 
-    `slot` (a model instance's number) also keeps a niced thread on core `slot` of those allowed,
-    round robin, so that a model's instances run on different cores.
+    `slot` (from `reserve`, plus the instance's number) also keeps a niced thread on core `slot` of
+    those allowed, round robin, so that a model's instances run on different cores.
     """
     if not _nice:
         return

@@ -497,6 +497,22 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
         assert len({c[0] for c in placed.values()}) == min(2, len(cores)), placed
 
 
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: [])(0)) < 2, reason="needs two cores")
+def test_two_one_instance_models_compute_on_different_cores(tmp_path: Path) -> None:
+    repo = variant(MODELS, tmp_path / "models", {"g2p_encoder": {"instances": 1}, "g2p": {"instances": 1}})
+    s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
+    try:
+        with grpc.insecure_channel(s.url) as channel:
+            stub = protocol.Stub(channel)
+            stub.ModelInfer(encoder_request(64, VOCAB, np.random.default_rng(0)), timeout=30)  # not inline: a thread
+            stub.ModelInfer(g2p_word_request("cores"), timeout=30)
+        lowered = [tid for tid, nice in _thread_nices(s.process.pid).items() if nice == 10]
+        assert len(lowered) == 2, lowered
+        assert len({tuple(os.sched_getaffinity(tid)) for tid in lowered}) == 2
+    finally:
+        stop_server(s)
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
 def test_compute_threads_are_pinned_only_where_the_process_may_use_all_its_cores(tmp_path: Path) -> None:
     """Under a CPU quota smaller than its CPU set (a container limited to 2 CPUs on a big node), pinning
