@@ -494,7 +494,7 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
         assert sorted(os.sched_getaffinity(pid)) == cores, "the event loop was pinned"
         placed = {tid: sorted(os.sched_getaffinity(tid)) for tid in lowered}
         assert all(len(c) == 1 for c in placed.values()), placed
-        assert len({c[0] for c in placed.values()}) == min(2, len(cores)), placed
+        assert len({c[0] for c in placed.values()}) >= 2, placed  # g2p's two instances, at least
 
 
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: [])(0)) < 2, reason="needs two cores")
