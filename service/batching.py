@@ -501,14 +501,29 @@ class GenerationScheduler:
                 break
         return joined
 
-    def _next_beam(self) -> WorkItem | None:
+    def _next_beams(self) -> list[WorkItem]:
+        """The oldest waiting beam request and those that can decode beside it: the same beam width
+        and output limit, within max_batch_size rows (words x beams); alone with batching off."""
+        c = self.config
         now = time.monotonic()
-        for item in [x for x in self.queue if x.payload.beam_size > 1]:
-            if not self._gone(item, now):
-                self._pop(item)
-                item.started = now
-                return item
-        return None
+        waiting = [x for x in self.queue if x.payload.beam_size > 1 and not self._gone(x, now)]
+        taken: list[WorkItem] = []
+        rows = 0
+        for item in waiting:
+            req: WordsRequest = item.payload
+            first: WordsRequest = (taken[0] if taken else item).payload
+            n = len(req.sources) * req.beam_size
+            if taken and ((req.beam_size, req.max_output_length) != (first.beam_size, first.max_output_length)
+                          or rows + n > c.max_batch_size):  # fmt: skip
+                continue
+            self._pop(item)
+            item.started = now
+            self.observer.waited(now - item.arrived)
+            taken.append(item)
+            rows += n
+            if not c.enabled:
+                break
+        return taken
 
     def _finish(self, finished: list[Hypothesis]) -> None:
         """Record finished words; answer the requests whose words are now all done."""
@@ -532,13 +547,13 @@ class GenerationScheduler:
                     self._lock.wait()
                 if self._stopping and not len(batch) and not self.queue:
                     return
-                beam = None if len(batch) else self._next_beam()
-                new = [] if beam is not None else self._admit_into(batch)
-                if beam is None and not new and not len(batch):
+                beams = [] if len(batch) else self._next_beams()
+                new = [] if beams else self._admit_into(batch)
+                if not beams and not new and not len(batch):
                     self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
                     continue
-            if beam is not None:
-                self._run_beam(beam, model)
+            if beams:
+                self._run_beams(beams, model)
                 continue
             start = time.monotonic()
             try:
@@ -559,17 +574,28 @@ class GenerationScheduler:
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=bool(self.queue))
 
-    def _run_beam(self, item: WorkItem, model: StepModel) -> None:
-        req: WordsRequest = item.payload
+    def _run_beams(self, items: list[WorkItem], model: StepModel) -> None:
+        """One beam search over the words of all `items`; each request is answered as soon as its
+        own words are done."""
+        reqs: list[WordsRequest] = [x.payload for x in items]
+        sources = [s for req in reqs for s in req.sources]
+        owners = [(item, j) for item, req in zip(items, reqs, strict=True) for j in range(len(req.sources))]
+
+        def on_word(index: int, best: Hypothesis) -> None:
+            best.tag = owners[index]
+            self._finish([best])
+
+        k, limit = reqs[0].beam_size, reqs[0].max_output_length
         start = time.monotonic()
         try:
-            hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length, 1, 2, req.with_attention)
+            beam_search(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs), on_word)
         except Exception as e:
             log.error("model '%s': beam search failed: %s", self.name, e)
-            self._resolve(item, error=Internal(f"model '{self.name}' failed on this request: {e}"))
+            error = Internal(f"model '{self.name}' failed on this request: {e}")
+            self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
             return
-        self.observer.batch(len(req.sources) * req.beam_size, item.tokens, item.tokens, time.monotonic() - start)
-        self._resolve(item, hyps)
+        lengths = [len(s) for s in sources]
+        self.observer.batch(len(sources) * k, len(sources) * max(lengths), sum(lengths), time.monotonic() - start)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

@@ -158,6 +158,7 @@ class _Servers:
             self.stop(s)
 
 
+BEAM_SIZE = 4  # the beam section's beam width
 ROUNDS = 3  # the sections that compare two settings run each this many times, alternating
 Measure = Callable[[ServerProcess, str, str], dict[str, Any]]  # (server, variant, label) -> figures
 
@@ -243,7 +244,7 @@ def _test_words() -> list[str]:
 
 OVERLOAD_QUEUE_WAIT_MS = 25.0
 THROUGHPUT_QUEUE_WAIT_MS = 10_000.0
-SECTIONS = ("ceiling", "mixed", "overload", "g2p", "continuous", "metrics", "kv")
+SECTIONS = ("ceiling", "mixed", "overload", "g2p", "beam", "continuous", "metrics", "kv")
 
 
 def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -264,6 +265,8 @@ def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] =
             _overload_section(servers, vocab, seconds, results)
         if "g2p" in only:
             _g2p_section(servers, words, seconds, results)
+        if "beam" in only:
+            _beam_section(servers, words, seconds, results)
         if "continuous" in only:
             _continuous_section(servers, words, seconds, results)
         if "metrics" in only:
@@ -435,6 +438,23 @@ def _g2p_compute_bound(models: Path, words: list[str], n: int = 256) -> dict[str
         greedy_decode(model, sources, 40, batch_size=batch)
         rates[batch] = len(sources) / (time.perf_counter() - t0)
     return {"words_per_s_batch1": rates[1], "words_per_s_batch32": rates[32], "ratio": rates[32] / rates[1]}
+
+
+def _beam_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
+    """Beam search (4 beams), one test word a request, concurrency 16: waiting requests decoded in one
+    batch vs one request at a time (batching off)."""
+
+    def make(i: int) -> tuple[Any, int, str]:
+        w = words[i % len(words)]
+        return g2p_request([w], beam_size=BEAM_SIZE), len(w), ""
+
+    def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+        return loadgen.summarise(_closed(s.url, make, 16, seconds / 2, f"beam {label}"))
+
+    off = {"g2p": {"batching": {"enabled": False}}}
+    turns = _take_turns(servers, {"batched": (None, None), "unbatched": (off, None)}, measure)
+    results["g2p_beam_c16"] = {**turns, "beam_size": BEAM_SIZE,
+                               "ratio": _paired_ratio(turns, "batched", "unbatched", "rps")}  # fmt: skip
 
 
 def _continuous_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
@@ -702,6 +722,13 @@ def targets_table(r: dict[str, Any]) -> str:
             f"\ng2p decoding in process, one thread, no server: {bound['words_per_s_batch1']:.0f} words/s a word "
             f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
             f"batched / off ratio of {bound['ratio']:.2f}."
+        )
+    beam = r.get("g2p_beam_c16")
+    if beam:
+        notes.append(
+            f"\ng2p beam search ({beam['beam_size']} beams), one word a request, c16: {beam['batched']['rps']:.0f} "
+            f"words/s with waiting requests decoded together, {beam['unbatched']['rps']:.0f} one request at a "
+            f"time ({beam['ratio']:.2f}x, median of paired rounds)."
         )
     short = r.get("g2p_short_p99", {})
     if "rounds" in short.get("continuous", {}):

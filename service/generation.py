@@ -15,7 +15,7 @@ padded to the batch's length and masked) and leave as soon as they finish.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -244,15 +244,18 @@ def beam_search(
     bos_id: int = 1,
     eos_id: int = 2,
     with_attention: bool = False,
+    on_word: Callable[[int, Hypothesis], None] | None = None,
 ) -> list[Hypothesis]:
     """Beam search for every source at once: words x beams rows in one batch.
 
-    Finished hypotheses are ranked by log-probability per token (length-normalised).
+    Finished hypotheses are ranked by log-probability per token (length-normalised). A word's rows
+    leave the batch once it has `beam_size` finished hypotheses, and `on_word(index, best)` hears
+    of it then, so that others' longer words hold up neither its answer nor the batch's cost.
     """
     n, k = len(sources), beam_size
     ids, mask = pad_ids(sources)
     ck, cv = model.encode(ids, mask)
-    rows = np.repeat(np.arange(n), k)  # row r decodes word r // k
+    rows = np.repeat(np.arange(n), k)  # row r decodes word alive[r // k]
     ck, cv, memory_mask = ck[:, rows], cv[:, rows], mask[rows]
     layers, _, heads, _, d_k = ck.shape
     past_k = np.zeros((layers, n * k, heads, 0, d_k), dtype=ck.dtype)
@@ -261,21 +264,23 @@ def beam_search(
     scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], n)  # only beam 0 is alive at first
     attention = np.zeros((n * k, 0, ids.shape[1]), dtype=np.float32)
     finished: list[list[tuple[float, list[int], np.ndarray]]] = [[] for _ in range(n)]
+    out: list[Hypothesis | None] = [None] * n
+    alive = list(range(n))  # the words still searching, in row order
     for t in range(max_len + 1):
-        self_mask = np.ones((n * k, t + 1), dtype=np.int64)
-        positions = np.full(n * k, t, dtype=np.int64)
+        self_mask = np.ones((len(tokens), t + 1), dtype=np.int64)
+        positions = np.full(len(tokens), t, dtype=np.int64)
         log_probs, past_k, past_v, attn = model.step(
             tokens[:, -1], positions, past_k, past_v, self_mask, ck, cv, memory_mask
         )
         vocab = log_probs.shape[1]
-        total = (scores[:, None] + log_probs).reshape(n, k * vocab)  # (words, beams x V)
+        total = (scores[:, None] + log_probs).reshape(len(alive), k * vocab)  # (words, beams x V)
         top = np.argsort(-total, axis=1)[:, : 2 * k]
-        new_rows, new_tokens, new_scores = [], [], []
-        for w in range(n):
-            kept = 0
-            for flat in top[w]:
-                score = float(total[w, flat])
-                parent, token = w * k + flat // vocab, int(flat % vocab)
+        new_rows, new_tokens, new_scores, staying = [], [], [], []
+        for a, w in enumerate(alive):
+            kept: list[tuple[int, int, float]] = []
+            for flat in top[a]:
+                score = float(total[a, flat])
+                parent, token = a * k + flat // vocab, int(flat % vocab)
                 if not np.isfinite(score):
                     break
                 if token == eos_id or t == max_len:
@@ -284,30 +289,45 @@ def beam_search(
                     if len(finished[w]) < k:
                         finished[w].append((score / (t + 1), seq, hist))
                     continue
+                kept.append((parent, token, score))
+                if len(kept) == k:
+                    break
+            if len(finished[w]) >= k or t == max_len:  # this word is done: its rows leave
+                out[w] = _best(finished[w], sources[w], max_len, bos_id, eos_id, with_attention, tag=w)
+                if on_word is not None:
+                    on_word(w, out[w])
+                continue
+            kept += [(a * k, eos_id, -np.inf)] * (k - len(kept))  # keep k rows a word: dead beams score -inf
+            staying.append(w)
+            for parent, token, score in kept:
                 new_rows.append(parent)
                 new_tokens.append(token)
                 new_scores.append(score)
-                kept += 1
-                if kept == k:
-                    break
-            while kept < k:  # keep the row count fixed: dead beams score -inf
-                new_rows.append(w * k)
-                new_tokens.append(eos_id)
-                new_scores.append(-np.inf)
-                kept += 1
-        if all(len(f) >= k for f in finished) or t == max_len:
+        if not staying:
             break
         idx = np.asarray(new_rows)
         tokens = np.concatenate([tokens[idx], np.asarray(new_tokens)[:, None]], axis=1)
         scores = np.asarray(new_scores)
         past_k, past_v = past_k[:, idx], past_v[:, idx]
         attention = np.concatenate([attention[idx], attn[idx][:, None]], axis=1)
-    out = []
-    for w in range(n):
-        best_score, seq, hist = max(finished[w], key=lambda f: f[0])
-        h = Hypothesis(list(sources[w]), max_len, tokens=[bos_id, *seq, eos_id], score=best_score, done=True, tag=w)
-        h.eos = eos_id
-        if with_attention:
-            h.attention = [row[: len(sources[w])] for row in hist[: len(seq) + 1]]
-        out.append(h)
-    return out
+        if len(staying) < len(alive):  # a word's beams share its memory: gather only when words left
+            ck, cv, memory_mask = ck[:, idx], cv[:, idx], memory_mask[idx]
+        alive = staying
+    return [h for h in out if h is not None]
+
+
+def _best(
+    finished: list[tuple[float, list[int], np.ndarray]],
+    source: Sequence[int],
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    with_attention: bool,
+    tag: object,
+) -> Hypothesis:
+    best_score, seq, hist = max(finished, key=lambda f: f[0])
+    h = Hypothesis(list(source), max_len, tokens=[bos_id, *seq, eos_id], score=best_score, done=True, tag=tag)
+    h.eos = eos_id
+    if with_attention:
+        h.attention = [row[: len(source)] for row in hist[: len(seq) + 1]]
+    return h

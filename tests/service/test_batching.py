@@ -28,7 +28,7 @@ from service import priority, protocol
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
 from service.bench import scrape, variant
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
-from service.generation import DecodingBatch, Hypothesis, greedy_decode
+from service.generation import DecodingBatch, Hypothesis, beam_search, greedy_decode
 from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import OnnxSeq2Seq, session_options
@@ -340,6 +340,44 @@ def test_with_batching_off_a_request_decodes_alone(g2p_graphs: tuple[OnnxSeq2Seq
     served, seen = asyncio.run(run())
     assert served == [alone[w] for w in words]
     assert {rows for rows, _, _ in seen.batches} == {1}, "a word joined another request's decode"
+
+
+def test_waiting_beam_requests_decode_together_and_each_is_answered_when_its_words_are_done(
+    g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
+) -> None:
+    model, graphemes = g2p_graphs
+    requests = [(["internationalization"], 4), (["cat"], 4), (["on", "the", "mat"], 4), (["dog"], 2),
+                (["counterrevolutionaries", "a"], 4)]  # fmt: skip
+    alone = [[h.output for h in beam_search(model, [graphemes.encode(w) for w in ws], k, 40)] for ws, k in requests]
+
+    async def run() -> tuple[list[list[list[int]]], list[int], Recorder]:
+        seen = Recorder()
+        scheduler = GenerationScheduler("g2p", BatchingConfig(), [model], observer=seen)
+        loop = asyncio.get_running_loop()
+        answered: list[int] = []
+
+        async def convert(i: int, words: list[str], k: int) -> list[list[int]]:
+            sources = [graphemes.encode(w) for w in words]
+            item = WorkItem(
+                len(sources), max(map(len, sources)) + 1, WordsRequest(sources, 40, k), loop.create_future()
+            )
+            hyps = await scheduler.submit(item)
+            answered.append(i)
+            return [h.output for h in hyps]
+
+        tasks = [asyncio.create_task(convert(i, ws, k)) for i, (ws, k) in enumerate(requests)]
+        await asyncio.sleep(0.05)  # all queued before the decoding thread starts: one batch is possible
+        scheduler.start()
+        served = await asyncio.gather(*tasks)
+        await scheduler.close()
+        return served, answered, seen
+
+    served, answered, seen = asyncio.run(run())
+    assert served == alone
+    # The beam-4 requests share one batch (7 words x 4 beams); the beam-2 one cannot join it.
+    assert sorted(rows for rows, _, _ in seen.batches) == [1 * 2, 7 * 4]
+    assert answered.index(1) < answered.index(0), "'cat' waited for 'internationalization' to finish"
+    assert answered.index(1) < answered.index(4)
 
 
 # -- over the wire: a real server ----------------------------------------------------------------
