@@ -384,17 +384,30 @@ def _overload_section(servers: _Servers, vocab: int, seconds: float, results: di
     capacity = cap["rps"]
     s = servers.start({"g2p_encoder": {"batching": {"max_queue_wait_ms": OVERLOAD_QUEUE_WAIT_MS}}})
     over = _open(s.url, _encoder_maker(lambda r: 256, vocab), 10 * capacity, seconds, "10x overload")
-    refused = [x.seconds for x in over.samples if x.code == "RESOURCE_EXHAUSTED"]
     over_s = loadgen.summarise(over)
     time.sleep(1.0)
     calm = loadgen.summarise(_open(s.url, _encoder_maker(lambda r: 256, vocab), 0.8 * capacity, seconds, "80%"))
     servers.stop(s)
+    # The RPC layer's own bound: a server that refuses everything (no queue room at all, nothing
+    # computed), at the same rate. Its refusal p99 is the least this machine allows at that rate.
+    s = servers.start({"g2p_encoder": {"batching": {"max_queue_requests": 0}}})
+    cpu0 = _process_cpu(s.process.pid)
+    bare = _open(s.url, _encoder_maker(lambda r: 256, vocab), 10 * capacity, seconds, "10x, refusing all")
+    bare_server_cpu = (_process_cpu(s.process.pid) - cpu0) / bare.wall
+    servers.stop(s)
     results["overload"] = {
         "capacity_rps": capacity, "offered_rps": 10 * capacity, "codes": over_s["codes"],
-        "refusal_p99_ms": float(np.percentile(refused, 99)) * 1e3 if refused else float("nan"),
+        "refusal_p99_ms": _refusal_p99_ms(over),
         "admitted_p99_ms": over_s["p99_ms"], "p99_at_80pct_ms": calm["p99_ms"],
         "ratio": over_s["p99_ms"] / calm["p99_ms"], "client_cpu_share": over_s["client_cpu_share"],
+        "refusing_all": {"refusal_p99_ms": _refusal_p99_ms(bare), "server_cpu_share": bare_server_cpu,
+                         "client_cpu_share": bare.client_cpu / bare.wall},
     }  # fmt: skip
+
+
+def _refusal_p99_ms(run: loadgen.Run) -> float:
+    refused = [x.seconds for x in run.samples if x.code == "RESOURCE_EXHAUSTED"]
+    return float(np.percentile(refused, 99)) * 1e3 if refused else float("nan")
 
 
 def _g2p_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
@@ -722,6 +735,14 @@ def targets_table(r: dict[str, Any]) -> str:
             f"\ng2p decoding in process, one thread, no server: {bound['words_per_s_batch1']:.0f} words/s a word "
             f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
             f"batched / off ratio of {bound['ratio']:.2f}."
+        )
+    bare = r.get("overload", {}).get("refusing_all")
+    if bare:
+        o = r["overload"]
+        notes.append(
+            f"\nAt 10x ({o['offered_rps']:.0f} requests/s), a server that refuses everything and computes nothing "
+            f"has a refusal p99 of {bare['refusal_p99_ms']:.1f} ms, using {bare['server_cpu_share']:.2f} of a core "
+            f"while the load generator uses {bare['client_cpu_share']:.2f}: the RPC layer's own bound at that rate."
         )
     beam = r.get("g2p_beam_c16")
     if beam:
