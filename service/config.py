@@ -37,8 +37,10 @@ class ServerSettings:
     max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
     max_message_bytes: int = _setting(64 << 20, "largest request or response message")
     max_concurrent_streams: int = _setting(1024, "HTTP/2 streams one connection may hold open")
+    # 19, not 10: at 10x overload the refusal p99 was 16-61 ms against 67-154 ms at 10 (three pairs),
+    # with the same throughput under load that does not overflow (BENCHMARKS.md).
     compute_nice: int = _setting(
-        10, "how much lower (nice, 0-19) compute threads run than the gRPC event loop: refusals and health stay prompt"
+        19, "how much lower (nice, 0-19) compute threads run than the gRPC event loop: refusals and health stay prompt"
     )
     access_log: bool = _setting(False, "one JSON line per request on stderr")
     metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")

@@ -7,9 +7,10 @@ thread's id works as a pid) and a thread inherits it from the thread that starts
 onnxruntime's own pool threads, started while a session loads, follow their loader.
 
 Niced threads are also spread over the cores by hand: the kernel balances cores by the weight
-of what runs on them, and a nice-10 thread weighs a tenth of the event loop, so it packed both
-instances of a model onto one core and left a quarter of the other idle (g2p, two instances,
-c64: 0.26-0.28 of a core idle and 963-1,072 words/s; pinned, 0.07-0.09 idle and 1,194-1,390).
+of what runs on them, and a niced thread weighs a fraction of the event loop (a tenth at nice 10,
+a seventieth at 19), so it packed both instances of a model onto one core and left a quarter of
+the other idle (g2p, two instances, c64, nice 10: 0.26-0.28 of a core idle and 963-1,072 words/s;
+pinned, 0.07-0.09 idle and 1,194-1,390).
 Not under a CPU quota smaller than the cores the process may use (a container limited to 2 CPUs
 on a 64-core node): every such container would pin its compute onto the same first cores.
 """

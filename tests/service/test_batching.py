@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from service import priority, protocol
 from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
 from service.bench import scrape, variant
+from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
 from service.generation import DecodingBatch, Hypothesis, beam_search, greedy_decode
 from service.loadgen import encoder_request, g2p_word_request
@@ -36,6 +37,7 @@ from service.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 
 VOCAB = 33  # g2p_encoder's input vocabulary
+NICE = ServerSettings().compute_nice  # the default --compute-nice
 
 
 class Recorder:
@@ -522,7 +524,7 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
     pid = quiet_server.process.pid
     nices = _thread_nices(pid)
     assert nices[pid] == 0, "the event loop (main thread) keeps its priority"
-    lowered = [tid for tid, nice in nices.items() if nice == 10]  # the default --compute-nice
+    lowered = [tid for tid, nice in nices.items() if nice == NICE]
     # at least the g2p_encoder instance's thread and each g2p instance's decoding thread
     assert len(lowered) >= 2, nices
     # Each compute thread keeps to one core, and a model's instances to different ones; the event loop
@@ -544,7 +546,7 @@ def test_two_one_instance_models_compute_on_different_cores(tmp_path: Path) -> N
             stub = protocol.Stub(channel)
             stub.ModelInfer(encoder_request(64, VOCAB, np.random.default_rng(0)), timeout=30)  # not inline: a thread
             stub.ModelInfer(g2p_word_request("cores"), timeout=30)
-        lowered = [tid for tid, nice in _thread_nices(s.process.pid).items() if nice == 10]
+        lowered = [tid for tid, nice in _thread_nices(s.process.pid).items() if nice == NICE]
         assert len(lowered) == 2, lowered
         assert len({tuple(os.sched_getaffinity(tid)) for tid in lowered}) == 2
     finally:
