@@ -403,6 +403,7 @@ class GenerationScheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._stopping = False
+        self._drainer: int | None = None  # the instance letting its batch run dry for waiting beams
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -525,6 +526,19 @@ class GenerationScheduler:
                 break
         return taken
 
+    def _drains_for_beams(self, instance: int) -> bool:
+        """Whether this instance should take no one into its batch, so that it runs dry for the waiting
+        beam requests. They start only on an empty batch, and under continuous load a batch may never
+        empty. Once the oldest has waited max_queue_delay_ms, one instance stops taking joins."""
+        oldest = next((x for x in self.queue if x.payload.beam_size > 1), None)
+        if oldest is None:
+            if self._drainer == instance:
+                self._drainer = None
+            return False
+        if self._drainer is None and time.monotonic() - oldest.arrived >= self.config.max_queue_delay_ms / 1e3:
+            self._drainer = instance
+        return self._drainer == instance
+
     def _finish(self, finished: list[Hypothesis]) -> None:
         """Record finished words; answer the requests whose words are now all done."""
         done: list[tuple[WorkItem, Any, BaseException | None]] = []
@@ -548,7 +562,7 @@ class GenerationScheduler:
                 if self._stopping and not len(batch) and not self.queue:
                     return
                 beams = [] if len(batch) else self._next_beams()
-                new = [] if beams else self._admit_into(batch)
+                new = [] if beams or self._drains_for_beams(instance) else self._admit_into(batch)
                 if not beams and not new and not len(batch):
                     self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
                     continue

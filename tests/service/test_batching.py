@@ -382,6 +382,48 @@ def test_waiting_beam_requests_decode_together_and_each_is_answered_when_its_wor
     assert answered.index(1) < answered.index(4)
 
 
+def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
+    g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
+) -> None:
+    """Beam search starts only on an empty batch. With more greedy words waiting than a batch holds,
+    joins come every step and the batch never empties, unless an instance lets it run dry."""
+    model, graphemes = g2p_graphs
+    words = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
+    (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
+
+    async def run() -> tuple[list[int], int]:
+        seen = Recorder()
+        scheduler = GenerationScheduler("g2p", BatchingConfig(max_batch_size=16), [model], observer=seen)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        async def convert(word: str, beam_size: int = 1) -> list[int]:
+            src = graphemes.encode(word)
+            item = WorkItem(1, len(src) + 1, WordsRequest([src], 40, beam_size), loop.create_future())
+            (hyp,) = await scheduler.submit(item)
+            return hyp.output
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                await convert(words[i % len(words)])
+                i += 1
+
+        flood = [asyncio.create_task(client(i)) for i in range(48)]  # 48 words for a batch of 16
+        await _until(lambda: len(seen.batches) >= 20)
+        try:
+            beam = await asyncio.wait_for(convert("pronunciation", 4), timeout=20)
+        finally:
+            stop.set()
+            await asyncio.gather(*flood)
+            await scheduler.close()
+        return beam, len(seen.batches)
+
+    beam, steps = asyncio.run(run())
+    assert beam == expected.output
+    assert steps > 20
+
+
 # -- over the wire: a real server ----------------------------------------------------------------
 
 
