@@ -63,10 +63,10 @@ def evaluate(
     return result
 
 
-def evaluate_repository(g2p_dir: Path, **kwargs: Any) -> dict[str, Any]:
+def evaluate_repository(g2p_dir: Path, precision: str = "fp32", **kwargs: Any) -> dict[str, Any]:
     """The exported graphs of models/g2p/<latest version>/ on onnxruntime (2 threads)."""
     version = max((p for p in Path(g2p_dir).iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    model = OnnxSeq2Seq(version, session_options(intra_op_threads=2))
+    model = OnnxSeq2Seq(version, session_options(intra_op_threads=2), precision=precision)
     return evaluate(
         model, Vocabulary.load(version / GRAPHEMES_FILE), Vocabulary.load(version / PHONEMES_FILE), **kwargs
     )

@@ -2,7 +2,8 @@
 
 Writes two entries (DESIGN.md, "Model repository"):
     models/g2p/          encoder.onnx (+ cross-attention keys/values), decoder.onnx (one cached step),
-                         graphemes.json, phonemes.json under 1/, and config.json with the model card
+                         their int8 copies (export/quantize.py), graphemes.json, phonemes.json under 1/,
+                         and config.json with the model card
     models/g2p_encoder/  the same encoder as a plain tensor model: input_ids, attention_mask -> last_hidden_state
 The export refuses to write a repository whose graphs disagree with PyTorch.
 """
@@ -285,5 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_repository(args.model_repository / "g2p")
         record_in_card(args.model_repository, result)
         print(json.dumps(result, indent=2))
+    from export.quantize import quantize_repository
+
+    int8 = quantize_repository(args.model_repository, evaluate=not args.no_evaluate)
+    if int8:
+        print(f"int8 graphs: test WER {int8['wer']:.2%} PER {int8['per']:.2%}")
     print(f"wrote {args.model_repository / 'g2p'} and {args.model_repository / 'g2p_encoder'}", file=sys.stderr)
     return 0

@@ -23,6 +23,9 @@ class RepositoryError(Exception):
     """A model that cannot be served: the server refuses to start."""
 
 
+PRECISIONS = ("fp32", "int8")  # int8: the same graphs with int8 weights (export/quantize.py), beside them
+
+
 @dataclass(frozen=True)
 class BatchingConfig:
     """How requests of one model are gathered into batches (config.json "batching")."""
@@ -52,6 +55,7 @@ class ModelConfig:
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     optimization: str = "all"  # onnxruntime graph optimisation level: disable, basic, extended, all
+    precision: str = "fp32"  # fp32, or int8: the graphs' int8 copies beside them (model.int8.onnx, ...)
     sequence_axis: int | None = None  # tensor models: the axis padded when batching different lengths
     limits: dict[str, Any] = field(default_factory=dict)  # per kind: lengths, sizes, vocab_size per input
     card: dict[str, Any] = field(default_factory=dict)
@@ -86,9 +90,14 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         batching.setdefault("max_batch_size", raw["max_batch_size"])
     settings = {
         k: raw[k]
-        for k in ("instances", "intra_op_threads", "inter_op_threads", "optimization", "sequence_axis", "limits")
+        for k in ("instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
+                  "limits")
         if k in raw
-    }
+    }  # fmt: skip
+    if settings.get("precision", "fp32") not in PRECISIONS:
+        raise RepositoryError(
+            f"model '{name}': unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})"
+        )
     return ModelConfig(
         name=name,
         kind=kind,

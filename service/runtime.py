@@ -11,7 +11,15 @@ import onnxruntime as ort
 
 from service.codec import ONNX_DATATYPES
 from service.repository import ModelConfig, RepositoryError
-from service.seq2seq import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
+from service.seq2seq import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    GRAPHEMES_FILE,
+    PHONEMES_FILE,
+    OnnxSeq2Seq,
+    graph_file,
+    session_options,
+)
 from service.vocab import Vocabulary
 
 __all__ = ["G2PRuntime", "TensorRuntime", "TensorSpec", "choose_providers"]
@@ -31,6 +39,9 @@ def choose_providers(device: str) -> list[str]:
             "use a GPU); falling back to CPUExecutionProvider"
         )
     return [CPU]
+
+
+_HOW_TO_QUANTIZE = {"int8": " (precision int8: write it with `python -m export.quantize`)"}
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,9 @@ class TensorRuntime:
     """A plain ONNX graph, `config.instances` sessions of it."""
 
     def __init__(self, config: ModelConfig, providers: list[str]) -> None:
-        path = config.directory / "model.onnx"
+        path = config.directory / graph_file("model.onnx", config.precision)
         if not path.exists():
-            raise RepositoryError(f"model '{config.name}': missing {path}")
+            raise RepositoryError(f"model '{config.name}': missing {path}{_HOW_TO_QUANTIZE.get(config.precision, '')}")
         self.config = config
         self.sessions = [_session(path, config, providers) for _ in range(max(1, config.instances))]
         self.provider = self.sessions[0].get_providers()[0]
@@ -83,13 +94,18 @@ class G2PRuntime:
 
     def __init__(self, config: ModelConfig, providers: list[str]) -> None:
         d = config.directory
-        for f in ("encoder.onnx", "decoder.onnx", GRAPHEMES_FILE, PHONEMES_FILE):
+        graphs = [graph_file(f, config.precision) for f in (ENCODER_FILE, DECODER_FILE)]
+        for f in (*graphs, GRAPHEMES_FILE, PHONEMES_FILE):
             if not (d / f).exists():
-                raise RepositoryError(f"model '{config.name}': missing {d / f}")
+                raise RepositoryError(
+                    f"model '{config.name}': missing {d / f}{_HOW_TO_QUANTIZE.get(config.precision, '')}"
+                )
         self.config = config
         try:
             options = session_options(config.intra_op_threads, config.inter_op_threads, config.optimization)
-            self.instances = [OnnxSeq2Seq(d, options, providers) for _ in range(max(1, config.instances))]
+            self.instances = [
+                OnnxSeq2Seq(d, options, providers, config.precision) for _ in range(max(1, config.instances))
+            ]
             self.graphemes = Vocabulary.load(d / GRAPHEMES_FILE)
             self.phonemes = Vocabulary.load(d / PHONEMES_FILE)
         except Exception as e:

@@ -8,10 +8,25 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-__all__ = ["DECODER_FILE", "ENCODER_FILE", "GRAPHEMES_FILE", "PHONEMES_FILE", "OnnxSeq2Seq", "session_options"]
+__all__ = [
+    "DECODER_FILE",
+    "ENCODER_FILE",
+    "GRAPHEMES_FILE",
+    "PHONEMES_FILE",
+    "OnnxSeq2Seq",
+    "graph_file",
+    "session_options",
+]
 
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
 GRAPHEMES_FILE, PHONEMES_FILE = "graphemes.json", "phonemes.json"
+
+
+def graph_file(name: str, precision: str = "fp32") -> str:
+    """The file of graph `name` ("encoder.onnx") at `precision`: "encoder.int8.onnx" for int8."""
+    return name if precision == "fp32" else name.replace(".onnx", f".{precision}.onnx")
+
+
 STEP_INPUTS = (
     "tokens",
     "positions",
@@ -50,10 +65,16 @@ class OnnxSeq2Seq:
         directory: Path,
         options: ort.SessionOptions | None = None,
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        precision: str = "fp32",
     ) -> None:
         options = options or session_options()
-        self.encoder = ort.InferenceSession(str(Path(directory) / ENCODER_FILE), options, providers=list(providers))
-        self.decoder = ort.InferenceSession(str(Path(directory) / DECODER_FILE), options, providers=list(providers))
+        d = Path(directory)
+        self.encoder = ort.InferenceSession(
+            str(d / graph_file(ENCODER_FILE, precision)), options, providers=list(providers)
+        )
+        self.decoder = ort.InferenceSession(
+            str(d / graph_file(DECODER_FILE, precision)), options, providers=list(providers)
+        )
         self.providers = self.encoder.get_providers()
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

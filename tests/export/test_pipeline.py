@@ -11,6 +11,8 @@ from export.checkpoint import load_checkpoint
 from export.evaluate import evaluate_checkpoint, evaluate_repository
 from export.onnx_export import write_repository
 from export.train import TrainConfig, train
+from service.generation import greedy_decode
+from service.seq2seq import OnnxSeq2Seq
 
 
 def tiny(out: Path, epochs: int) -> TrainConfig:
@@ -63,6 +65,16 @@ def test_export_parity_and_same_figures_from_both_runtimes(tiny_checkpoint: Path
     for key in ("wer", "per", "wer_stress_free", "per_stress_free"):
         assert onnx[key] == pytest.approx(torch_[key]), key
     assert onnx["words"] == 150
+    # The int8 copies: written beside the graphs, hashed in the card, a word's answer independent of its batch.
+    from export.quantize import quantize_repository
+
+    quantize_repository(tmp_path, evaluate=False)
+    card = json.loads((tmp_path / "g2p" / "config.json").read_text())["model_card"]
+    assert {"encoder.int8.onnx", "decoder.int8.onnx"} < set(card["sha256"])
+    int8 = OnnxSeq2Seq(tmp_path / "g2p" / "1", precision="int8")
+    sources = [loaded.graphemes.encode(w) for w in words[:40]]
+    alone = [greedy_decode(int8, [s], 30)[0].output for s in sources]
+    assert [h.output for h in greedy_decode(int8, sources, 30, batch_size=40)] == alone
 
 
 def test_beam_search_is_at_least_as_likely_as_greedy(tiny_checkpoint: Path) -> None:

@@ -67,6 +67,20 @@ def test_bad_config_stops_the_start(tmp_path: Path) -> None:
     assert done.returncode != 0 and "unknown setting" in done.stderr and "max_batch" in done.stderr
 
 
+def test_a_precision_the_repository_lacks_stops_the_start(tmp_path: Path) -> None:
+    repo = copy_repository(tmp_path)
+    config = repo / "g2p_encoder" / "config.json"
+    (repo / "g2p_encoder" / "config.json").write_text(
+        config.read_text().replace('"kind"', '"precision": "int8", "kind"', 1)
+    )
+    done = serve_exit(repo)
+    assert done.returncode != 0 and "missing" in done.stderr and "model.int8.onnx" in done.stderr
+    assert "export.quantize" in done.stderr  # and how to write it
+    config.write_text(config.read_text().replace('"precision": "int8"', '"precision": "fp16"'))
+    done = serve_exit(repo)
+    assert done.returncode != 0 and "unknown precision 'fp16'" in done.stderr
+
+
 def test_a_users_onnx_model_is_served_from_its_graph(tmp_path: Path) -> None:
     """models/NAME/1/model.onnx without any config: inputs/outputs come from the graph."""
     scale_model(tmp_path / "repo" / "scale")

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from export import data
 from export.evaluate import predict
+from service.bench import variant
 from service.client import Client
 from service.models import normalize_word
 from service.seq2seq import OnnxSeq2Seq, session_options
 from service.vocab import Vocabulary
-from tests.conftest import MODELS, RunningServer
+from tests.conftest import MODELS, RunningServer, start_server, stop_server
 
 
 def test_served_predictions_equal_offline_evaluation_on_2000_test_words(server: RunningServer) -> None:
@@ -40,3 +42,26 @@ def test_served_predictions_equal_offline_evaluation_on_2000_test_words(server: 
         served = [p for part in pool.map(call, chunks) for p in part]
     mismatches = [(w, s, " ".join(o)) for w, s, o in zip(words, served, offline, strict=True) if s != " ".join(o)]
     assert not mismatches, mismatches[:5]
+
+
+def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_path: Path) -> None:
+    words = random.Random(3).sample([w for w in data.read_split("test") if normalize_word(w) == w], 300)
+    version = MODELS / "g2p" / "1"
+    graphemes, phonemes = Vocabulary.load(version / "graphemes.json"), Vocabulary.load(version / "phonemes.json")
+    int8, fp32 = (
+        [
+            " ".join(p)
+            for p in predict(OnnxSeq2Seq(version, session_options(2), precision=x), graphemes, phonemes, words)
+        ]
+        for x in ("int8", "fp32")
+    )
+    assert int8 != fp32, "the int8 graphs decode exactly as the fp32 ones: are they the same graphs?"
+    assert sum(a == b for a, b in zip(int8, fp32, strict=True)) > 0.9 * len(words)  # and nearly always agree
+    repo = variant(MODELS, tmp_path / "models", {"g2p": {"precision": "int8"}})
+    s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
+    try:
+        client = Client(s.url, timeout=60)
+        served = [p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10])]
+    finally:
+        stop_server(s)
+    assert served == int8

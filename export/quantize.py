@@ -1,0 +1,119 @@
+"""`python -m export.quantize`: int8 copies of the g2p graphs, beside the fp32 ones.
+
+Static quantization of every MatMul: int8 weights, and activation ranges calibrated once, on dev
+words decoded by the fp32 graphs. Ranges fixed in advance keep a word's answer independent of its
+batch-mates, which continuous batching promises. Dynamic quantization computes each activation's range
+over the whole batch at run time: it was faster, but in batches of 32 it decoded 1 of 300 test words
+differently than alone. The model card gets the new files' hashes and the int8 graphs' own test figures
+("test_int8"); a model serves them when its config.json says "precision": "int8".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export import data
+from export.evaluate import MAX_OUTPUT_LENGTH, evaluate_repository
+from service.generation import greedy_decode
+from service.seq2seq import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    GRAPHEMES_FILE,
+    STEP_INPUTS,
+    OnnxSeq2Seq,
+    graph_file,
+    session_options,
+)
+from service.vocab import Vocabulary
+
+PRECISION = "int8"
+
+
+def quantize_graphs(version: Path, calibration_words: int = 400) -> list[Path]:
+    """Write encoder.int8.onnx and decoder.int8.onnx next to their fp32 graphs in `version`."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+            self.feeds = iter(feeds)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.feeds, None)
+
+    encoder_feeds, decoder_feeds = _calibration_feeds(version, calibration_words)
+    logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process applies to convolutions
+    written = []
+    for name, feeds in ((ENCODER_FILE, encoder_feeds), (DECODER_FILE, decoder_feeds)):
+        target = version / graph_file(name, PRECISION)
+        quantize_static(version / name, target, Feeds(feeds), quant_format=QuantFormat.QOperator,
+                        op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                        activation_type=QuantType.QUInt8)  # fmt: skip
+        written.append(target)
+    return written
+
+
+def _calibration_feeds(version: Path, words: int) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+    """The inputs the fp32 graphs see while decoding `words` dev words, 16 at a time (every third
+    decoder step)."""
+    fp32 = OnnxSeq2Seq(version, session_options(2))
+    graphemes = Vocabulary.load(version / GRAPHEMES_FILE)
+    encoder_feeds: list[dict[str, np.ndarray]] = []
+    decoder_feeds: list[dict[str, np.ndarray]] = []
+    steps = [0]
+
+    class Recorder:
+        def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            encoder_feeds.append({"input_ids": input_ids, "attention_mask": attention_mask})
+            return fp32.encode(input_ids, attention_mask)
+
+        def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            if steps[0] % 3 == 0:
+                decoder_feeds.append(dict(zip(STEP_INPUTS, arrays, strict=True)))
+            steps[0] += 1
+            return fp32.step(*arrays)
+
+    sources = [graphemes.encode(w) for w in data.read_split("dev")[:words]]
+    greedy_decode(Recorder(), sources, MAX_OUTPUT_LENGTH, batch_size=16)
+    return encoder_feeds, decoder_feeds
+
+
+def file_hashes(version: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(version.iterdir()) if p.is_file()}
+
+
+def quantize_repository(repository: Path, evaluate: bool = True) -> dict[str, Any] | None:
+    """int8 graphs for models/g2p's latest version, the card's hashes updated, and (unless not
+    `evaluate`) their test figures recorded as "test_int8"; returns those figures."""
+    g2p = Path(repository) / "g2p"
+    path = g2p / "config.json"
+    config: dict[str, Any] = json.loads(path.read_text())
+    version = g2p / max((p.name for p in g2p.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
+    quantize_graphs(version)
+    card = config["model_card"]
+    result = evaluate_repository(g2p, precision=PRECISION) if evaluate else None
+    if result is not None:
+        card["test_int8"] = {k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}
+    card["sha256"] = file_hashes(version)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.quantize", description=__doc__)
+    parser.add_argument("--model-repository", type=Path, default=Path("models"))
+    args = parser.parse_args(argv)
+    result = quantize_repository(args.model_repository)
+    assert result is not None
+    print(f"int8 test: WER {result['wer']:.2%} PER {result['per']:.2%} (see the model card's test_int8)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
