@@ -15,6 +15,7 @@ from typing import Any
 from export import data
 from export.scoring import score
 from service.generation import StepModel, beam_search, greedy_decode
+from service.repository import load_model_config
 from service.seq2seq import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
 from service.vocab import Vocabulary
 
@@ -65,7 +66,7 @@ def evaluate(
 
 def evaluate_repository(g2p_dir: Path, precision: str = "fp32", **kwargs: Any) -> dict[str, Any]:
     """The exported graphs of models/g2p/<latest version>/ on onnxruntime (2 threads)."""
-    version = max((p for p in Path(g2p_dir).iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    version = load_model_config(Path(g2p_dir)).directory
     model = OnnxSeq2Seq(version, session_options(intra_op_threads=2), precision=precision)
     return evaluate(
         model, Vocabulary.load(version / GRAPHEMES_FILE), Vocabulary.load(version / PHONEMES_FILE), **kwargs

@@ -11,7 +11,6 @@ The export refuses to write a repository whose graphs disagree with PyTorch.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import shutil
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from export import data
 from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint
 from export.model import DecoderStep, EncoderGraph, Transformer
+from export.quantize import file_hashes, quantize_repository
 from service.generation import greedy_decode, pad_ids
 from service.seq2seq import (
     DECODER_FILE,
@@ -177,10 +177,6 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
     return {"max_abs_diff": worst, "greedy_identical": same, "greedy_words": len(words)}
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def write_repository(
     loaded: Loaded, repository: Path, parity_words: list[str], metrics: dict[str, Any] | None = None, version: str = "1"
 ) -> dict[str, Any]:
@@ -231,7 +227,7 @@ def write_repository(
         },
         "model_card": {
             **card,
-            "sha256": {f: _sha256(g2p / version / f) for f in sorted(p.name for p in (g2p / version).iterdir())},
+            "sha256": file_hashes(g2p / version),
         },
     }
     enc_config = {
@@ -248,7 +244,7 @@ def write_repository(
             "vocabulary": "graphemes.json of models/g2p",
             "config": state["config"],
             "onnx_opset": OPSET,
-            "sha256": {"model.onnx": _sha256(enc / version / "model.onnx")},
+            "sha256": file_hashes(enc / version),
         },
     }
     (g2p / "config.json").write_text(json.dumps(g2p_config, indent=2) + "\n")
@@ -286,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_repository(args.model_repository / "g2p")
         record_in_card(args.model_repository, result)
         print(json.dumps(result, indent=2))
-    from export.quantize import quantize_repository
-
     int8 = quantize_repository(args.model_repository, evaluate=not args.no_evaluate)
     if int8:
         print(f"int8 graphs: test WER {int8['wer']:.2%} PER {int8['per']:.2%}")

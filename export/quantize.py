@@ -22,6 +22,7 @@ import numpy as np
 from export import data
 from export.evaluate import MAX_OUTPUT_LENGTH, evaluate_repository
 from service.generation import greedy_decode
+from service.repository import load_model_config
 from service.seq2seq import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -85,6 +86,7 @@ def _calibration_feeds(version: Path, words: int) -> tuple[list[dict[str, np.nda
 
 
 def file_hashes(version: Path) -> dict[str, str]:
+    """The model card's "sha256": every file of a version directory."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(version.iterdir()) if p.is_file()}
 
 
@@ -94,7 +96,7 @@ def quantize_repository(repository: Path, evaluate: bool = True) -> dict[str, An
     g2p = Path(repository) / "g2p"
     path = g2p / "config.json"
     config: dict[str, Any] = json.loads(path.read_text())
-    version = g2p / max((p.name for p in g2p.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
+    version = load_model_config(g2p).directory
     quantize_graphs(version)
     card = config["model_card"]
     result = evaluate_repository(g2p, precision=PRECISION) if evaluate else None

@@ -219,10 +219,10 @@ def _words_maker(words: list[str], per_request: int) -> loadgen.MakeRequest:
     return make
 
 
-def _word_maker(words: list[str], tag: Callable[[str], str] = lambda w: "") -> loadgen.MakeRequest:
+def _word_maker(words: list[str], tag: Callable[[str], str] = lambda w: "", beam_size: int = 1) -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         w = words[i % len(words)]
-        return loadgen.g2p_word_request(w), len(w), tag(w)
+        return g2p_request([w], beam_size=beam_size), len(w), tag(w)
 
     return make
 
@@ -457,12 +457,9 @@ def _beam_section(servers: _Servers, words: list[str], seconds: float, results: 
     """Beam search (4 beams), one test word a request, concurrency 16: waiting requests decoded in one
     batch vs one request at a time (batching off)."""
 
-    def make(i: int) -> tuple[Any, int, str]:
-        w = words[i % len(words)]
-        return g2p_request([w], beam_size=BEAM_SIZE), len(w), ""
-
     def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
-        return loadgen.summarise(_closed(s.url, make, 16, seconds / 2, f"beam {label}"))
+        run = _closed(s.url, _word_maker(words, beam_size=BEAM_SIZE), 16, seconds / 2, f"beam {label}")
+        return loadgen.summarise(run)
 
     off = {"g2p": {"batching": {"enabled": False}}}
     turns = _take_turns(servers, {"batched": (None, None), "unbatched": (off, None)}, measure)
