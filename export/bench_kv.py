@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from export.model import DecoderStep, EncoderGraph, TransformerConfig, make_model, subsequent_mask
+from service.seq2seq import step_arrays
 
 __all__ = ["kv_cache_speedup"]
 
@@ -29,12 +30,14 @@ def kv_cache_speedup(config: dict[str, Any], steps: int = 20, batch: int = 32, s
     step = DecoderStep(model)
 
     def cached() -> None:
-        past_k = torch.zeros(c.n_decoder, batch, c.h, 0, c.d_k)
-        past_v = past_k.clone()
+        cache_k = torch.zeros(c.n_decoder, batch, c.h, steps, c.d_k)
+        cache_v = cache_k.clone()
+        cache_mask = torch.zeros(batch, steps, dtype=torch.int64)
         tokens = torch.ones(batch, dtype=torch.int64)
         for t in range(steps):
-            self_mask = torch.ones(batch, t + 1, dtype=torch.int64)
-            logp, past_k, past_v, _ = step(tokens, torch.full((batch,), t), past_k, past_v, self_mask, ck, cv, mask)
+            args = step_arrays(tokens, torch.full((batch,), t), cache_k, cache_v, cache_mask, ck, cv, mask)
+            logp, new_k, new_v, _ = step(*args)
+            cache_k[:, :, :, t], cache_v[:, :, :, t], cache_mask[:, t] = new_k, new_v, 1
             tokens = logp.argmax(-1)
 
     def recomputed() -> None:

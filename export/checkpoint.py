@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
+from service.seq2seq import step_arrays
 from service.vocab import Vocabulary
 
 __all__ = ["Loaded", "TorchStepModel", "load_checkpoint"]
@@ -64,5 +65,5 @@ class TorchStepModel:
 
     @torch.inference_mode()
     def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+        outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in step_arrays(*arrays)))
         return tuple(o.numpy() for o in outs)  # type: ignore[return-value]

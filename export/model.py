@@ -39,6 +39,7 @@ __all__ = [
     "SublayerConnection",
     "Transformer",
     "TransformerConfig",
+    "cached_attention",
     "make_model",
     "scaled_dot_product_attention",
     "subsequent_mask",
@@ -301,14 +302,38 @@ class EncoderGraph(nn.Module):
         return memory, cross_keys, cross_values
 
 
-class DecoderStep(nn.Module):
-    """One decoder step for a batch of rows that may each be at a different position.
+def cached_attention(
+    q: Tensor, cache_k: Tensor, cache_v: Tensor, k_new: Tensor, v_new: Tensor, keep_cache: Tensor
+) -> Tensor:
+    """Equation 1 for one new query over a key/value cache plus the new token's own key and value.
 
-    Inputs:  tokens (B,), positions (B,), past_keys/past_values (L, B, H, T, K) of the self-attention,
-             self_mask (B, T + 1) valid cache slots plus the new one, cross_keys/cross_values
-             (L, B, H, S, K), memory_mask (B, S).
-    Outputs: log_probs (B, V), present_keys/present_values (L, B, H, T + 1, K), and the last layer's
-             cross-attention averaged over heads (B, S).
+    The same as concatenating the cache and the new token and attending (Section 3.2.1), without the
+    concatenation: that would copy the whole cache every step. q, k_new, v_new: (B, H, 1, K); cache_k,
+    cache_v: (B, H, C, K); keep_cache (B, 1, 1, C), True where a cache slot is real (the new token always is).
+    """
+    d_k = q.size(-1)
+    to_cache = q @ cache_k.transpose(-2, -1)  # (B, H, 1, K) x (B, H, K, C) -> (B, H, 1, C)
+    to_self = (q * k_new).sum(-1, keepdim=True)  # (B, H, 1, 1)
+    scores = torch.cat([to_cache, to_self], dim=-1) / math.sqrt(d_k)  # (B, H, 1, C + 1)
+    keep = torch.cat([keep_cache, torch.ones_like(keep_cache[..., :1])], dim=-1)
+    weights = scores.masked_fill(~keep, NEG_INF).softmax(dim=-1)
+    c = cache_k.size(2)
+    return weights[..., :c] @ cache_v + weights[..., c:] * v_new  # (B, H, 1, C) x (B, H, C, K) -> (B, H, 1, K)
+
+
+class DecoderStep(nn.Module):
+    """One decoder step: every row takes one new token, each at its own position.
+
+    A row is a (B, D) vector here, not a (B, 1, D) sequence, so that each linear layer is one
+    matrix product with its bias (a Gemm in ONNX). The self-attention cache is the caller's: it is
+    read in place (one input per layer, so no slicing copies it either) and the step returns only
+    this token's keys and values, which the caller writes into the cache's next free slot.
+
+    Inputs:  tokens (B,), positions (B,), cache_mask (B, C) 1 where a cache slot is real,
+             memory_mask (B, S), then for each decoder layer i: cache_keys_i, cache_values_i
+             (B, H, C, K), cross_keys_i, cross_values_i (B, H, S, K).
+    Outputs: log_probs (B, V), new_keys/new_values (L, B, H, K), and the last layer's cross-attention
+             averaged over heads (B, S).
     """
 
     def __init__(self, model: Transformer) -> None:
@@ -316,34 +341,32 @@ class DecoderStep(nn.Module):
         self.model = model
 
     def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        past_keys: Tensor,
-        past_values: Tensor,
-        self_mask: Tensor,
-        cross_keys: Tensor,
-        cross_values: Tensor,
-        memory_mask: Tensor,
+        self, tokens: Tensor, positions: Tensor, cache_mask: Tensor, memory_mask: Tensor, *per_layer: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         m = self.model
-        x = m.tgt_position(m.tgt_embed(tokens[:, None]), positions[:, None])  # (B, 1, D)
-        keep_self = (self_mask != 0)[:, None, None, :]  # (B, 1, 1, T + 1)
+        b, h, d_k = tokens.size(0), m.config.h, m.config.d_k
+        x = m.tgt_embed(tokens) + m.tgt_position.pe[positions]  # (B, D)
+        keep_cache = (cache_mask != 0)[:, None, None, :]  # (B, 1, 1, C)
         keep_src = (memory_mask != 0)[:, None, None, :]  # (B, 1, 1, S)
-        present_k, present_v = [], []
+
+        def heads(y: Tensor) -> Tensor:
+            return y.view(b, h, 1, d_k)  # (B, D) -> (B, H, 1, K)
+
+        new_k, new_v = [], []
         cross = x.new_zeros(())
         for i, layer in enumerate(m.decoder.layers):
+            cache_k, cache_v, cross_k, cross_v = per_layer[4 * i : 4 * i + 4]
             y = layer.sublayer[0].norm(x)
-            k_new, v_new = layer.self_attn.project_kv(y)  # (B, H, 1, K)
-            k = torch.cat([past_keys[i], k_new], dim=2)  # (B, H, T, K) + (B, H, 1, K) -> (B, H, T + 1, K)
-            v = torch.cat([past_values[i], v_new], dim=2)
-            present_k.append(k)
-            present_v.append(v)
-            x = x + layer.self_attn.attend(y, k, v, keep_self)
+            a = layer.self_attn
+            k, v = heads(a.w_k(y)), heads(a.w_v(y))
+            new_k.append(k[:, :, 0])
+            new_v.append(v[:, :, 0])
+            x = x + a.w_o(cached_attention(heads(a.w_q(y)), cache_k, cache_v, k, v, keep_cache).reshape(b, -1))
             y = layer.sublayer[1].norm(x)
-            x = x + layer.src_attn.attend(y, cross_keys[i], cross_values[i], keep_src)
-            cross = layer.src_attn.weights  # (B, H, 1, S)
+            a = layer.src_attn
+            attended, cross = scaled_dot_product_attention(heads(a.w_q(y)), cross_k, cross_v, keep_src)
+            x = x + a.w_o(attended.reshape(b, -1))
             x = x + layer.feed_forward(layer.sublayer[2].norm(x))
-        logits = m.generator(m.decoder.norm(x))[:, 0]  # (B, 1, D) -> (B, V)
+        logits = m.generator(m.decoder.norm(x))  # (B, D) -> (B, V)
         attention = cross.mean(dim=1)[:, 0]  # (B, H, 1, S) -> (B, S)
-        return logits.log_softmax(dim=-1), torch.stack(present_k), torch.stack(present_v), attention
+        return logits.log_softmax(dim=-1), torch.stack(new_k), torch.stack(new_v), attention

@@ -38,6 +38,8 @@ from service.seq2seq import (
     STEP_INPUTS,
     STEP_OUTPUTS,
     OnnxSeq2Seq,
+    step_arrays,
+    step_input_names,
 )
 
 __all__ = ["export_graphs", "main", "parity_check", "write_repository"]
@@ -114,32 +116,26 @@ def export_graphs(model: Transformer, directory: Path) -> dict[str, Path]:
         {**enc_axes, "last_hidden_state": {0: "batch", 1: "source"}},
     )
     layers, heads, d_k = c.n_decoder, c.h, c.d_k
-    step_args = (
-        torch.randint(4, c.tgt_vocab, (b,)),
-        torch.full((b,), t, dtype=torch.int64),
-        torch.randn(layers, b, heads, t, d_k),
-        torch.randn(layers, b, heads, t, d_k),
-        torch.ones(b, t + 1, dtype=torch.int64),
-        ck,
-        cv,
-        mask,
+    capacity = 4  # cache slots in the example; t of them real
+    cache = torch.randn(layers, b, heads, capacity, d_k)
+    cache_mask = (torch.arange(capacity) < t).long().expand(b, capacity).contiguous()
+    step_args = step_arrays(
+        torch.randint(4, c.tgt_vocab, (b,)), torch.full((b,), t), cache, cache.clone(), cache_mask, ck, cv, mask
     )
-    cache = {1: "batch", 3: "past"}
+    names = step_input_names(layers)
+    per_layer_axes = {"cache": {0: "batch", 2: "cache"}, "cross": {0: "batch", 2: "source"}}
     step_axes = {
         "tokens": {0: "batch"},
         "positions": {0: "batch"},
-        "past_keys": cache,
-        "past_values": cache,
-        "self_mask": {0: "batch", 1: "past_plus_one"},
-        "cross_keys": kv_axes,
-        "cross_values": kv_axes,
+        "cache_mask": {0: "batch", 1: "cache"},
         "memory_mask": {0: "batch", 1: "source"},
+        **{n: per_layer_axes[n.split("_")[0]] for n in names[len(STEP_INPUTS) :]},
         "log_probs": {0: "batch"},
-        "present_keys": {1: "batch", 3: "past_plus_one"},
-        "present_values": {1: "batch", 3: "past_plus_one"},
+        "new_keys": {1: "batch"},
+        "new_values": {1: "batch"},
         "cross_attention": {0: "batch", 1: "source"},
     }
-    _export(DecoderStep(model), step_args, paths["decoder"], list(STEP_INPUTS), list(STEP_OUTPUTS), step_axes)
+    _export(DecoderStep(model), tuple(step_args), paths["decoder"], names, list(STEP_OUTPUTS), step_axes)
     return paths
 
 
@@ -158,19 +154,20 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
         ids, mask = pad_ids(batch)
         states = [m.encode(ids, mask) for m in (torch_model, onnx_model)]
         worst = max(worst, *(_max_diff(x, y) for x, y in zip(*states, strict=True)))
-        # Decode a few steps with teacher-forced random tokens, comparing every output.
+        # Decode a few steps with teacher-forced random tokens, comparing every output; each model
+        # keeps its own cache, as a caller does.
         ck, cv = states[0]
         layers, n, heads, _, d_k = ck.shape
-        past = [np.zeros((layers, n, heads, 0, d_k), np.float32)] * 2
-        past_t = list(past)
+        caches = [[np.zeros((layers, n, heads, 8, d_k), np.float32) for _ in range(2)] for _ in range(2)]
         for step in range(6):
             tokens = rng.integers(4, len(loaded.phonemes), size=n).astype(np.int64)
-            args = (tokens, np.full(n, step, np.int64))
-            self_mask = np.ones((n, step + 1), np.int64)
-            out_t = torch_model.step(*args, *past_t, self_mask, ck, cv, mask)
-            out_o = onnx_model.step(*args, *past, self_mask, ck, cv, mask)
-            worst = max(worst, *(_max_diff(x, y) for x, y in zip(out_t, out_o, strict=True)))
-            past_t, past = list(out_t[1:3]), list(out_o[1:3])
+            cache_mask = (np.arange(8) < step).astype(np.int64)[None].repeat(n, axis=0)
+            outs = []
+            for m, (keys, values) in zip((torch_model, onnx_model), caches, strict=True):
+                out = m.step(tokens, np.full(n, step, np.int64), keys, values, cache_mask, ck, cv, mask)
+                keys[:, :, :, step], values[:, :, :, step] = out[1], out[2]
+                outs.append(out)
+            worst = max(worst, *(_max_diff(x, y) for x, y in zip(*outs, strict=True)))
     hyp_t = greedy_decode(torch_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
     hyp_o = greedy_decode(onnx_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
     same = sum(a.output == b.output for a, b in zip(hyp_t, hyp_o, strict=True))

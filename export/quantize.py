@@ -1,11 +1,12 @@
 """`python -m export.quantize`: int8 copies of the g2p graphs, beside the fp32 ones.
 
-Static quantization of every MatMul: int8 weights, and activation ranges calibrated once, on dev
-words decoded by the fp32 graphs. Ranges fixed in advance keep a word's answer independent of its
-batch-mates, which continuous batching promises. Dynamic quantization computes each activation's range
-over the whole batch at run time: it was faster, but in batches of 32 it decoded 1 of 300 test words
-differently than alone. The model card gets the new files' hashes and the int8 graphs' own test figures
-("test_int8"); a model serves them when its config.json says "precision": "int8".
+Static quantization of every matrix product (MatMul, and Gemm: a linear layer with its bias): int8
+weights, and activation ranges calibrated once, on dev words decoded by the fp32 graphs. Ranges fixed in
+advance keep a word's answer independent of its batch-mates, which continuous batching promises. Dynamic
+quantization computes each activation's range over the whole batch at run time: it was faster, but in
+batches of 32 it decoded 1 of 300 test words differently than alone. The model card gets the new files'
+hashes and the int8 graphs' own test figures ("test_int8"); a model serves them when its config.json
+says "precision": "int8".
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from service.seq2seq import (
     DECODER_FILE,
     ENCODER_FILE,
     GRAPHEMES_FILE,
-    STEP_INPUTS,
     OnnxSeq2Seq,
     graph_file,
     session_options,
@@ -54,7 +54,7 @@ def quantize_graphs(version: Path, calibration_words: int = 400) -> list[Path]:
     for name, feeds in ((ENCODER_FILE, encoder_feeds), (DECODER_FILE, decoder_feeds)):
         target = version / graph_file(name, PRECISION)
         quantize_static(version / name, target, Feeds(feeds), quant_format=QuantFormat.QOperator,
-                        op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                        op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
                         activation_type=QuantType.QUInt8)  # fmt: skip
         written.append(target)
     return written
@@ -76,7 +76,8 @@ def _calibration_feeds(version: Path, words: int) -> tuple[list[dict[str, np.nda
 
         def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             if steps[0] % 3 == 0:
-                decoder_feeds.append(dict(zip(STEP_INPUTS, arrays, strict=True)))
+                feeds = fp32.step_feeds(*arrays)
+                decoder_feeds.append({k: v.copy() for k, v in feeds.items()})  # the cache changes in place
             steps[0] += 1
             return fp32.step(*arrays)
 

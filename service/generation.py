@@ -5,12 +5,15 @@ ONNX graphs (evaluation, serving). The model is anything with `encode` and `step
 `StepModel`); the arrays follow the exported graphs:
 
     cross_keys, cross_values   (L, B, H, S, K)  per decoder layer, computed once per word
-    past_keys, past_values     (L, B, H, T, K)  self-attention cache, grows by one per step
-    self_mask                  (B, T + 1)       1 where a cache slot (or the new token) is real
+    cache_keys, cache_values   (L, B, H, C, K)  self-attention cache: C slots, the first T used
+    cache_mask                 (B, C)           1 where a cache slot is real
     memory_mask                (B, S)           1 where a grapheme is real
+    new_keys, new_values       (L, B, H, K)     a step's own keys and values, for slot T
 
-`DecodingBatch` is the unit of continuous batching: rows may join at any step (their cache is
-padded to the batch's length and masked) and leave as soon as they finish.
+The cache is the caller's and is never copied by a step: the step reads it in place and the
+caller writes the new keys and values into the next free slot, growing the cache a few slots at a
+time. `DecodingBatch` is the unit of continuous batching: rows may join at any step (their cache
+is padded to the batch's length and masked) and leave as soon as they finish.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["DecodingBatch", "Hypothesis", "StepModel", "beam_search", "greedy_decode"]
+__all__ = ["CACHE_GROWTH", "DecodingBatch", "Hypothesis", "StepModel", "beam_search", "cache_capacity", "greedy_decode"]
 
 
 class StepModel(Protocol):
@@ -33,15 +36,23 @@ class StepModel(Protocol):
         self,
         tokens: np.ndarray,
         positions: np.ndarray,
-        past_keys: np.ndarray,
-        past_values: np.ndarray,
-        self_mask: np.ndarray,
+        cache_keys: np.ndarray,
+        cache_values: np.ndarray,
+        cache_mask: np.ndarray,
         cross_keys: np.ndarray,
         cross_values: np.ndarray,
         memory_mask: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """-> log_probs (B, V), present_keys, present_values (L, B, H, T + 1, K), attention (B, S)."""
+        """-> log_probs (B, V), new_keys, new_values (L, B, H, K), attention (B, S)."""
         ...
+
+
+CACHE_GROWTH = 8  # slots a cache grows by: one copy every 8 steps, at most 7 masked slots attended
+
+
+def cache_capacity(slots: int) -> int:
+    """Slots to allocate for a cache that must hold `slots`: the next multiple of CACHE_GROWTH."""
+    return -(-slots // CACHE_GROWTH) * CACHE_GROWTH
 
 
 def pad_ids(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -100,17 +111,14 @@ class DecodingBatch:
         self.cross_keys: np.ndarray | None = None
         self.cross_values: np.ndarray | None = None
         self.memory_mask = np.zeros((0, 0), dtype=np.int64)
-        self.past_keys: np.ndarray | None = None
-        self.past_values: np.ndarray | None = None
-        self.cache_mask = np.zeros((0, 0), dtype=np.int64)  # (B, T)
+        self.cache_keys: np.ndarray | None = None
+        self.cache_values: np.ndarray | None = None
+        self.cache_mask = np.zeros((0, 0), dtype=np.int64)  # (B, C)
+        self.cache_length = 0  # slots used, T <= C: the next step writes slot T
         self._staying: list[int] | None = None  # after a step where rows finished: the rows that stay
 
     def __len__(self) -> int:
         return len(self.rows) if self._staying is None else len(self._staying)
-
-    @property
-    def cache_length(self) -> int:
-        return self.cache_mask.shape[1]
 
     def add(self, hyps: Sequence[Hypothesis]) -> None:
         """Encode the new rows together and merge them into the running batch.
@@ -137,7 +145,7 @@ class DecodingBatch:
     ) -> None:
         """Apply the rows that left at the last step (`_staying`) and append `hyps`, in one copy.
 
-        The self-attention cache keeps only the columns some staying row uses (new rows have no
+        The self-attention cache keeps only the slots some staying row uses (new rows have no
         history: theirs is padding, masked out); the memory keeps the longest staying source.
         """
         staying, self._staying = self._staying, None
@@ -147,31 +155,36 @@ class DecodingBatch:
         new = hyps or []
         if not old and not new:
             self.rows, self.cache_mask, self.memory_mask = [], self.cache_mask[:0, :0], self.memory_mask[:0, :0]
+            self.cache_length = 0
             return
         if not old:  # a fresh batch: the encoder's arrays are the memory as they are
             assert ck is not None and cv is not None and mask is not None
             layers, n, heads, _, d_k = ck.shape
             self.cross_keys, self.cross_values, self.memory_mask = ck, cv, mask
-            self.past_keys = np.zeros((layers, n, heads, 0, d_k), dtype=ck.dtype)
-            self.past_values = self.past_keys
-            self.cache_mask = np.zeros((n, 0), dtype=np.int64)
+            shape = (layers, n, heads, cache_capacity(1), d_k)
+            self.cache_keys, self.cache_values = np.zeros(shape, ck.dtype), np.zeros(shape, ck.dtype)
+            self.cache_mask = np.zeros((n, shape[3]), dtype=np.int64)
+            self.cache_length = 0
             self.rows = new
             return
-        assert self.past_keys is not None and self.past_values is not None
+        assert self.cache_keys is not None and self.cache_values is not None
         assert self.cross_keys is not None and self.cross_values is not None
         idx = np.arange(len(self.rows)) if staying is None else np.asarray(staying, dtype=np.int64)
-        cache_mask = self.cache_mask[idx]
+        cache_mask = self.cache_mask[idx, : self.cache_length]
         used = np.flatnonzero(cache_mask.any(axis=0))
-        first = int(used[0]) if used.size else cache_mask.shape[1]
+        first = int(used[0]) if used.size else self.cache_length
+        length = self.cache_length - first
         s_old = max(len(h.src) for h in old)
         s = max(s_old, mask.shape[1] if mask is not None else 0)
         k, rows = len(old), len(old) + len(new)
-        self.past_keys = _gather_rows(self.past_keys[:, :, :, first:], idx, rows)
-        self.past_values = _gather_rows(self.past_values[:, :, :, first:], idx, rows)
+        capacity = cache_capacity(length + 1)
+        self.cache_keys = _gather_rows(self.cache_keys[:, :, :, first : self.cache_length], idx, rows, capacity)
+        self.cache_values = _gather_rows(self.cache_values[:, :, :, first : self.cache_length], idx, rows, capacity)
         self.cross_keys = _gather_rows(self.cross_keys[:, :, :, :s_old], idx, rows, s, ck)
         self.cross_values = _gather_rows(self.cross_values[:, :, :, :s_old], idx, rows, s, cv)
-        self.cache_mask = np.zeros((rows, cache_mask.shape[1] - first), dtype=np.int64)
-        self.cache_mask[:k] = cache_mask[:, first:]
+        self.cache_mask = np.zeros((rows, capacity), dtype=np.int64)
+        self.cache_mask[:k, :length] = cache_mask[:, first:]
+        self.cache_length = length
         memory_mask = np.zeros((rows, s), dtype=np.int64)
         memory_mask[:k, :s_old] = self.memory_mask[idx, :s_old]
         if mask is not None:
@@ -179,25 +192,41 @@ class DecodingBatch:
         self.memory_mask = memory_mask
         self.rows = old + new
 
+    def _grow(self) -> None:
+        """A full cache gets CACHE_GROWTH more slots (one copy)."""
+        assert self.cache_keys is not None and self.cache_values is not None
+        t, capacity = self.cache_length, cache_capacity(self.cache_length + 1)
+        everyone = np.arange(len(self.rows))
+        self.cache_keys = _gather_rows(self.cache_keys[:, :, :, :t], everyone, len(everyone), capacity)
+        self.cache_values = _gather_rows(self.cache_values[:, :, :, :t], everyone, len(everyone), capacity)
+        mask = np.zeros((len(self.rows), capacity), dtype=np.int64)
+        mask[:, :t] = self.cache_mask[:, :t]
+        self.cache_mask = mask
+
     def step(self) -> list[Hypothesis]:
         """Advance every row by one token; return the rows that finished (and leave the batch)."""
         self._rebuild()
-        assert self.past_keys is not None and self.past_values is not None
+        if self.cache_length == self.cache_mask.shape[1]:
+            self._grow()
+        assert self.cache_keys is not None and self.cache_values is not None
         assert self.cross_keys is not None and self.cross_values is not None
         tokens = np.array([h.tokens[-1] for h in self.rows], dtype=np.int64)
         positions = np.array([len(h.tokens) - 1 for h in self.rows], dtype=np.int64)
-        self_mask = np.concatenate([self.cache_mask, np.ones((len(self.rows), 1), dtype=np.int64)], axis=1)
-        log_probs, self.past_keys, self.past_values, attention = self.model.step(
+        log_probs, new_keys, new_values, attention = self.model.step(
             tokens,
             positions,
-            self.past_keys,
-            self.past_values,
-            self_mask,
+            self.cache_keys,
+            self.cache_values,
+            self.cache_mask,
             self.cross_keys,
             self.cross_values,
             self.memory_mask,
         )
-        self.cache_mask = self_mask
+        t = self.cache_length  # every row's new token takes slot t, in place
+        self.cache_keys[:, :, :, t] = new_keys
+        self.cache_values[:, :, :, t] = new_values
+        self.cache_mask[:, t] = 1
+        self.cache_length = t + 1
         best = log_probs.argmax(axis=-1)
         finished, keep = [], []
         for i, h in enumerate(self.rows):
@@ -258,8 +287,8 @@ def beam_search(
     rows = np.repeat(np.arange(n), k)  # row r decodes word alive[r // k]
     ck, cv, memory_mask = ck[:, rows], cv[:, rows], mask[rows]
     layers, _, heads, _, d_k = ck.shape
-    past_k = np.zeros((layers, n * k, heads, 0, d_k), dtype=ck.dtype)
-    past_v = past_k.copy()
+    cache_k = np.zeros((layers, n * k, heads, cache_capacity(1), d_k), dtype=ck.dtype)
+    cache_v = cache_k.copy()
     tokens = np.full((n * k, 1), bos_id, dtype=np.int64)
     scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], n)  # only beam 0 is alive at first
     attention = np.zeros((n * k, 0, ids.shape[1]), dtype=np.float32)
@@ -267,11 +296,13 @@ def beam_search(
     out: list[Hypothesis | None] = [None] * n
     alive = list(range(n))  # the words still searching, in row order
     for t in range(max_len + 1):
-        self_mask = np.ones((len(tokens), t + 1), dtype=np.int64)
+        cache_mask = np.zeros((len(tokens), cache_k.shape[3]), dtype=np.int64)
+        cache_mask[:, :t] = 1
         positions = np.full(len(tokens), t, dtype=np.int64)
-        log_probs, past_k, past_v, attn = model.step(
-            tokens[:, -1], positions, past_k, past_v, self_mask, ck, cv, memory_mask
+        log_probs, new_k, new_v, attn = model.step(
+            tokens[:, -1], positions, cache_k, cache_v, cache_mask, ck, cv, memory_mask
         )
+        cache_k[:, :, :, t], cache_v[:, :, :, t] = new_k, new_v
         vocab = log_probs.shape[1]
         total = (scores[:, None] + log_probs).reshape(len(alive), k * vocab)  # (words, beams x V)
         top = np.argsort(-total, axis=1)[:, : 2 * k]
@@ -308,7 +339,9 @@ def beam_search(
         idx = np.asarray(new_rows)
         tokens = np.concatenate([tokens[idx], np.asarray(new_tokens)[:, None]], axis=1)
         scores = np.asarray(new_scores)
-        past_k, past_v = past_k[:, idx], past_v[:, idx]
+        # the surviving beams' caches, in one copy each, with room for the next slot
+        cache_k = _gather_rows(cache_k[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
+        cache_v = _gather_rows(cache_v[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
         attention = np.concatenate([attention[idx], attn[idx][:, None]], axis=1)
         if len(staying) < len(alive):  # a word's beams share its memory: gather only when words left
             ck, cv, memory_mask = ck[:, idx], cv[:, idx], memory_mask[idx]

@@ -16,6 +16,8 @@ __all__ = [
     "OnnxSeq2Seq",
     "graph_file",
     "session_options",
+    "step_arrays",
+    "step_input_names",
 ]
 
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
@@ -27,17 +29,22 @@ def graph_file(name: str, precision: str = "fp32") -> str:
     return name if precision == "fp32" else name.replace(".onnx", f".{precision}.onnx")
 
 
-STEP_INPUTS = (
-    "tokens",
-    "positions",
-    "past_keys",
-    "past_values",
-    "self_mask",
-    "cross_keys",
-    "cross_values",
-    "memory_mask",
-)
-STEP_OUTPUTS = ("log_probs", "present_keys", "present_values", "cross_attention")
+STEP_INPUTS = ("tokens", "positions", "cache_mask", "memory_mask")  # then PER_LAYER_INPUTS for each layer
+PER_LAYER_INPUTS = ("cache_keys", "cache_values", "cross_keys", "cross_values")
+STEP_OUTPUTS = ("log_probs", "new_keys", "new_values", "cross_attention")
+
+
+def step_input_names(layers: int) -> list[str]:
+    """The decoder graph's inputs: STEP_INPUTS, then cache_keys_0, cache_values_0, cross_keys_0, ..."""
+    return [*STEP_INPUTS, *(f"{name}_{i}" for i in range(layers) for name in PER_LAYER_INPUTS)]
+
+
+def step_arrays(*args: np.ndarray) -> list[np.ndarray]:
+    """A `StepModel.step`'s arguments in the decoder graph's input order. Each layer's slice of an
+    (L, ...) array is a contiguous view: nothing is copied."""
+    tokens, positions, cache_keys, cache_values, cache_mask, cross_keys, cross_values, memory_mask = args
+    per_layer = (cache_keys, cache_values, cross_keys, cross_values)
+    return [tokens, positions, cache_mask, memory_mask, *(a[i] for i in range(len(cache_keys)) for a in per_layer)]
 
 
 def session_options(
@@ -84,5 +91,10 @@ class OnnxSeq2Seq:
         return ck, cv
 
     def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        lp, pk, pv, att = self.decoder.run(list(STEP_OUTPUTS), dict(zip(STEP_INPUTS, arrays, strict=True)))
-        return lp, pk, pv, att
+        lp, k, v, att = self.decoder.run(list(STEP_OUTPUTS), self.step_feeds(*arrays))
+        return lp, k, v, att
+
+    def step_feeds(self, *arrays: np.ndarray) -> dict[str, np.ndarray]:
+        """`StepModel.step`'s arguments as the decoder graph's feeds."""
+        feeds = step_arrays(*arrays)
+        return dict(zip(step_input_names(len(arrays[2])), feeds, strict=True))

@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from export import data
 from export.checkpoint import load_checkpoint
@@ -101,3 +102,18 @@ def test_averaged_checkpoints_are_the_mean_of_their_weights(tiny_checkpoint: Pat
     for key, value in avg.model.state_dict().items():
         assert torch.allclose(value, (a[key] + b[key]) / 2, atol=1e-6), key
     assert len(avg.state["averaged"]) == 2
+
+
+def test_a_checkpoint_recovered_from_the_exported_graphs_has_the_trained_weights(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The repository ships graphs, not checkpoints: export, rebuild the model from the graphs, and
+    every parameter is the trained one."""
+    from export.recover import recover
+
+    loaded = load_checkpoint(tiny_checkpoint, max_len=128)
+    write_repository(loaded, tmp_path, data.read_split("test")[:20])
+    rebuilt = recover(tmp_path / "g2p" / "1", loaded.model.config)
+    trained = loaded.model.state_dict()
+    for key, value in rebuilt.state_dict().items():
+        assert torch.equal(value, trained[key]), key
