@@ -101,134 +101,145 @@ class Hypothesis:
 
 
 class DecodingBatch:
-    """Rows decoded in lock step; rows join between steps and leave as they finish."""
+    """Rows decoded in lock step; rows join between steps and leave as they finish.
+
+    Every array has room to spare: rows (the batch axis), cache slots and source positions are
+    allocated ahead and the first `len(self)` rows are the batch. A step reads each layer's
+    `[:rows]`, a contiguous view, so nothing is copied to run it. A row that joins is written into
+    the next free row; a row that leaves is filled by the last row (its data moved, nobody else's).
+    Only growing an array, or dropping cache slots no row uses any more, copies the batch.
+    """
 
     def __init__(self, model: StepModel, bos_id: int = 1, eos_id: int = 2, with_attention: bool = False) -> None:
         self.model = model
         self.bos_id, self.eos_id = bos_id, eos_id
         self.with_attention = with_attention
         self.rows: list[Hypothesis] = []
-        self.cross_keys: np.ndarray | None = None
-        self.cross_values: np.ndarray | None = None
-        self.memory_mask = np.zeros((0, 0), dtype=np.int64)
-        self.cache_keys: np.ndarray | None = None
-        self.cache_values: np.ndarray | None = None
-        self.cache_mask = np.zeros((0, 0), dtype=np.int64)  # (B, C)
+        # (L, R, H, S, K) and (R, S): row capacity R, source capacity S; (L, R, H, C, K) and (R, C): C cache slots
+        self.cross_keys = self.cross_values = self.cache_keys = self.cache_values = np.zeros(
+            (0, 0, 0, 0, 0), np.float32
+        )
+        self._memory_mask = np.zeros((0, 0), dtype=np.int64)
+        self._cache_mask = np.zeros((0, 0), dtype=np.int64)
         self.cache_length = 0  # slots used, T <= C: the next step writes slot T
-        self._staying: list[int] | None = None  # after a step where rows finished: the rows that stay
 
     def __len__(self) -> int:
-        return len(self.rows) if self._staying is None else len(self._staying)
+        return len(self.rows)
+
+    @property
+    def memory_mask(self) -> np.ndarray:
+        """(rows, S): 1 where a row's grapheme is real; S is the source positions each step computes."""
+        return self._memory_mask[: len(self.rows)]
+
+    @property
+    def cache_mask(self) -> np.ndarray:
+        """(rows, C): 1 where a row's cache slot is real."""
+        return self._cache_mask[: len(self.rows)]
 
     def add(self, hyps: Sequence[Hypothesis]) -> None:
-        """Encode the new rows together and merge them into the running batch.
-
-        Rows that finished at the last step leave here too: the arrays are rebuilt once, the
-        rows that stay copied in and the new rows written after them, instead of a copy to
-        drop the finished rows and another to append the new ones.
-        """
+        """Encode the new rows together and write them into the free rows after the batch's."""
         if not hyps:
-            self._rebuild()
             return
         ids, mask = pad_ids([h.src for h in hyps])
         ck, cv = self.model.encode(ids, mask)
         for h in hyps:
             h.tokens, h.eos = [self.bos_id], self.eos_id
-        self._rebuild(list(hyps), ck, cv, mask)
-
-    def _rebuild(
-        self,
-        hyps: list[Hypothesis] | None = None,
-        ck: np.ndarray | None = None,
-        cv: np.ndarray | None = None,
-        mask: np.ndarray | None = None,
-    ) -> None:
-        """Apply the rows that left at the last step (`_staying`) and append `hyps`, in one copy.
-
-        The self-attention cache keeps only the slots some staying row uses (new rows have no
-        history: theirs is padding, masked out); the memory keeps the longest staying source.
-        """
-        staying, self._staying = self._staying, None
-        if staying is None and not hyps:
-            return
-        old = self.rows if staying is None else [self.rows[i] for i in staying]
-        new = hyps or []
-        if not old and not new:
-            self.rows, self.cache_mask, self.memory_mask = [], self.cache_mask[:0, :0], self.memory_mask[:0, :0]
+        n, k, s = len(self.rows), len(hyps), mask.shape[1]
+        if not n:  # a fresh batch: allocate for it (every array sized anew)
             self.cache_length = 0
-            return
-        if not old:  # a fresh batch: the encoder's arrays are the memory as they are
-            assert ck is not None and cv is not None and mask is not None
-            layers, n, heads, _, d_k = ck.shape
-            self.cross_keys, self.cross_values, self.memory_mask = ck, cv, mask
-            shape = (layers, n, heads, cache_capacity(1), d_k)
-            self.cache_keys, self.cache_values = np.zeros(shape, ck.dtype), np.zeros(shape, ck.dtype)
-            self.cache_mask = np.zeros((n, shape[3]), dtype=np.int64)
-            self.cache_length = 0
-            self.rows = new
-            return
-        assert self.cache_keys is not None and self.cache_values is not None
-        assert self.cross_keys is not None and self.cross_values is not None
-        idx = np.arange(len(self.rows)) if staying is None else np.asarray(staying, dtype=np.int64)
-        cache_mask = self.cache_mask[idx, : self.cache_length]
-        used = np.flatnonzero(cache_mask.any(axis=0))
-        first = int(used[0]) if used.size else self.cache_length
-        length = self.cache_length - first
-        s_old = max(len(h.src) for h in old)
-        s = max(s_old, mask.shape[1] if mask is not None else 0)
-        k, rows = len(old), len(old) + len(new)
-        capacity = cache_capacity(length + 1)
-        self.cache_keys = _gather_rows(self.cache_keys[:, :, :, first : self.cache_length], idx, rows, capacity)
-        self.cache_values = _gather_rows(self.cache_values[:, :, :, first : self.cache_length], idx, rows, capacity)
-        self.cross_keys = _gather_rows(self.cross_keys[:, :, :, :s_old], idx, rows, s, ck)
-        self.cross_values = _gather_rows(self.cross_values[:, :, :, :s_old], idx, rows, s, cv)
-        self.cache_mask = np.zeros((rows, capacity), dtype=np.int64)
-        self.cache_mask[:k, :length] = cache_mask[:, first:]
-        self.cache_length = length
-        memory_mask = np.zeros((rows, s), dtype=np.int64)
-        memory_mask[:k, :s_old] = self.memory_mask[idx, :s_old]
-        if mask is not None:
-            memory_mask[k:, : mask.shape[1]] = mask
-        self.memory_mask = memory_mask
-        self.rows = old + new
+            self._allocate(k, s, cache_capacity(1), ck.shape, ck.dtype)
+        elif n + k > self._memory_mask.shape[0] or s > self._memory_mask.shape[1]:
+            self._allocate(max(n + k, 2 * n), max(s, self._memory_mask.shape[1]), self._cache_mask.shape[1],
+                           ck.shape, ck.dtype)  # fmt: skip
+        new = slice(n, n + k)
+        for a, b in ((self.cross_keys, ck), (self.cross_values, cv)):
+            a[:, new, :, :s] = b
+            a[:, new, :, s:] = 0
+        self._memory_mask[new] = 0
+        self._memory_mask[new, :s] = mask
+        self._cache_mask[new] = 0  # no history: slots before T are padding to them, masked
+        self.rows += hyps
 
-    def _grow(self) -> None:
-        """A full cache gets CACHE_GROWTH more slots (one copy)."""
-        assert self.cache_keys is not None and self.cache_values is not None
-        t, capacity = self.cache_length, cache_capacity(self.cache_length + 1)
-        everyone = np.arange(len(self.rows))
-        self.cache_keys = _gather_rows(self.cache_keys[:, :, :, :t], everyone, len(everyone), capacity)
-        self.cache_values = _gather_rows(self.cache_values[:, :, :, :t], everyone, len(everyone), capacity)
-        mask = np.zeros((len(self.rows), capacity), dtype=np.int64)
-        mask[:, :t] = self.cache_mask[:, :t]
-        self.cache_mask = mask
+    def _allocate(self, rows: int, source: int, slots: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """Arrays for `rows` rows, `source` positions (rounded up) and `slots` cache slots, with the
+        batch's rows, sources and used cache slots copied in."""
+        layers, _, heads, _, d_k = shape
+        n, t, s = len(self.rows), self.cache_length, cache_capacity(source)
+
+        def resized(a: np.ndarray, width: int, used: int) -> np.ndarray:  # (L, R, H, W, K) -> (L, rows, H, width, K)
+            out = np.zeros((layers, rows, heads, width, d_k), dtype=a.dtype)
+            out[:, :n, :, :used] = a[:, :n, :, :used]
+            return out
+
+        if not n:
+            self.cross_keys, self.cross_values = (np.zeros((layers, rows, heads, s, d_k), dtype) for _ in range(2))
+            self.cache_keys, self.cache_values = (np.zeros((layers, rows, heads, slots, d_k), dtype) for _ in range(2))
+            self._memory_mask = np.zeros((rows, s), dtype=np.int64)
+            self._cache_mask = np.zeros((rows, slots), dtype=np.int64)
+            return
+        used_s = self._memory_mask.shape[1]
+        self.cross_keys, self.cross_values = resized(self.cross_keys, s, used_s), resized(self.cross_values, s, used_s)
+        self.cache_keys, self.cache_values = resized(self.cache_keys, slots, t), resized(self.cache_values, slots, t)
+        memory_mask, cache_mask = np.zeros((rows, s), dtype=np.int64), np.zeros((rows, slots), dtype=np.int64)
+        memory_mask[:n, :used_s], cache_mask[:n, :t] = self._memory_mask[:n], self._cache_mask[:n, :t]
+        self._memory_mask, self._cache_mask = memory_mask, cache_mask
+
+    def _make_room(self) -> None:
+        """Before a step: when the cache is full, or CACHE_GROWTH leading slots are used by no row
+        any more, copy the used slots into a cache with room for CACHE_GROWTH more."""
+        n, t = len(self.rows), self.cache_length
+        used = np.flatnonzero(self._cache_mask[:n, :t].any(axis=0))
+        first = int(used[0]) if used.size else t
+        if t < self._cache_mask.shape[1] and first < CACHE_GROWTH:
+            return
+        length, capacity = t - first, cache_capacity(t - first + 1)
+        rows = self._cache_mask.shape[0]
+        for name in ("cache_keys", "cache_values"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], rows, old.shape[2], capacity, old.shape[4]), dtype=old.dtype)
+            new[:, :n, :, :length] = old[:, :n, :, first:t]
+            setattr(self, name, new)
+        mask = np.zeros((rows, capacity), dtype=np.int64)
+        mask[:n, :length] = self._cache_mask[:n, first:t]
+        self._cache_mask, self.cache_length = mask, length
+
+    def _leave(self, finished: list[int]) -> None:
+        """Rows `finished` leave: each is filled by the batch's last row (that row's data moved)."""
+        for i in sorted(finished, reverse=True):
+            last = len(self.rows) - 1
+            if i != last:
+                for a in (self.cross_keys, self.cross_values, self.cache_keys, self.cache_values):
+                    a[:, i] = a[:, last]
+                for m in (self._memory_mask, self._cache_mask):
+                    m[i] = m[last]
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
 
     def step(self) -> list[Hypothesis]:
-        """Advance every row by one token; return the rows that finished (and leave the batch)."""
-        self._rebuild()
-        if self.cache_length == self.cache_mask.shape[1]:
-            self._grow()
-        assert self.cache_keys is not None and self.cache_values is not None
-        assert self.cross_keys is not None and self.cross_values is not None
+        """Advance every row by one token; return the rows that finished (and left the batch)."""
+        n = len(self.rows)
+        if not n:
+            return []
+        self._make_room()
         tokens = np.array([h.tokens[-1] for h in self.rows], dtype=np.int64)
         positions = np.array([len(h.tokens) - 1 for h in self.rows], dtype=np.int64)
         log_probs, new_keys, new_values, attention = self.model.step(
             tokens,
             positions,
-            self.cache_keys,
-            self.cache_values,
-            self.cache_mask,
-            self.cross_keys,
-            self.cross_values,
-            self.memory_mask,
+            self.cache_keys[:, :n],  # each layer's [:n] is contiguous: the graph reads it in place
+            self.cache_values[:, :n],
+            self._cache_mask[:n],
+            self.cross_keys[:, :n],
+            self.cross_values[:, :n],
+            self._memory_mask[:n],
         )
         t = self.cache_length  # every row's new token takes slot t, in place
-        self.cache_keys[:, :, :, t] = new_keys
-        self.cache_values[:, :, :, t] = new_values
-        self.cache_mask[:, t] = 1
+        self.cache_keys[:, :n, :, t] = new_keys
+        self.cache_values[:, :n, :, t] = new_values
+        self._cache_mask[:n, t] = 1
         self.cache_length = t + 1
         best = log_probs.argmax(axis=-1)
-        finished, keep = [], []
+        finished, leaving = [], []
         for i, h in enumerate(self.rows):
             token = int(best[i])
             h.tokens.append(token)
@@ -238,10 +249,8 @@ class DecodingBatch:
             if token == self.eos_id or len(h.tokens) - 1 >= h.max_len:
                 h.done = token == self.eos_id
                 finished.append(h)
-            else:
-                keep.append(i)
-        if finished:
-            self._staying = keep  # they leave at the next add or step: one copy with the rows joining
+                leaving.append(i)
+        self._leave(leaving)
         return finished
 
 

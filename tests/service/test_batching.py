@@ -29,7 +29,7 @@ from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, 
 from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
-from service.generation import DecodingBatch, Hypothesis, beam_search, greedy_decode
+from service.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
 from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import OnnxSeq2Seq, session_options
@@ -309,9 +309,9 @@ def test_rows_leaving_and_joining_at_one_step_decode_as_alone(g2p_graphs: tuple[
             i += len(joining)
         finished = []
         if live:
-            oldest = max(len(h.tokens) for h in live.values())  # the cache holds its history, no more
+            oldest = max(len(h.tokens) for h in live.values())  # the cache holds its history
             finished = batch.step()
-            assert batch.cache_length == oldest
+            assert oldest <= batch.cache_length < oldest + CACHE_GROWTH  # and sheds slots only departed rows used
         for h in finished:
             got[h.tag] = live.pop(h.tag)
     assert [got[j].output for j in range(len(sources))] == [h.output for h in alone]
