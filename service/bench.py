@@ -453,6 +453,17 @@ def _g2p_compute_bound(models: Path, words: list[str], n: int = 256) -> dict[str
     return {"words_per_s_batch1": rates[1], "words_per_s_batch32": rates[32], "ratio": rates[32] / rates[1]}
 
 
+def _g2p_floor_bound(compute: dict[str, float], floor: dict[str, float] | None) -> str:
+    """The batched / off ratio allowed by compute plus the gRPC floor each one-word request pays (server
+    and load generator CPU on the same cores): (1/r1 + f) / (1/r32 + f)."""
+    if not floor:
+        return ""
+    f = (floor["server_cpu_us"] + floor["client_cpu_us"]) / 1e6
+    ratio = (1 / compute["words_per_s_batch1"] + f) / (1 / compute["words_per_s_batch32"] + f)
+    return (f" With the gRPC floor above added to every one-word request ({f * 1e3:.2f} ms of CPU), "
+            f"at most {ratio:.2f}.")  # fmt: skip
+
+
 def _beam_section(servers: _Servers, words: list[str], seconds: float, results: dict[str, Any]) -> None:
     """Beam search (4 beams), one test word a request, concurrency 16: waiting requests decoded in one
     batch vs one request at a time (batching off)."""
@@ -731,7 +742,7 @@ def targets_table(r: dict[str, Any]) -> str:
         notes.append(
             f"\ng2p decoding in process, one thread, no server: {bound['words_per_s_batch1']:.0f} words/s a word "
             f"at a time, {bound['words_per_s_batch32']:.0f} with 32 together, so compute alone allows a "
-            f"batched / off ratio of {bound['ratio']:.2f}."
+            f"batched / off ratio of {bound['ratio']:.2f}." + _g2p_floor_bound(bound, c32.get("bare_rpc"))
         )
     bare = r.get("overload", {}).get("refusing_all")
     if bare:
