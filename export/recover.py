@@ -104,7 +104,7 @@ def checkpoint_state(
     """What `qkv train` saves, with the training record taken from the model card."""
     training = card["training"]
     return {
-        "config": model.config.to_dict(),
+        "config": card["config"],  # as trained (the rebuilt model's positional table may be longer)
         "train": training["recipe"],
         "model": model.state_dict(),
         "step": training["steps"],
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the rebuilt encoder differs from {version / ENCODER_FILE} by {worst:.2e}", file=sys.stderr)
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    state = checkpoint_state(model, card, graphemes, phonemes)
-    state["config"] = card["config"]
-    torch.save(state, args.out)
+    torch.save(checkpoint_state(model, card, graphemes, phonemes), args.out)
     load_checkpoint(args.out)  # it loads as a trained checkpoint does
     print(f"recovered {version} -> {args.out} (encoder within {worst:.1e})")
     return 0

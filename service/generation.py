@@ -64,17 +64,19 @@ def pad_ids(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, (ids != 0).astype(np.int64)
 
 
-def _gather_rows(
-    a: np.ndarray, index: np.ndarray, rows: int, width: int | None = None, new: np.ndarray | None = None
-) -> np.ndarray:
-    """(L, B, H, W, K) -> (L, rows, H, width, K): rows `index` of `a`, then the rows of `new`, then
-    zeros; every row zero-padded along axis 3. One allocation, each value copied once."""
+def _gather_rows(a: np.ndarray, index: np.ndarray, rows: int, width: int | None = None) -> np.ndarray:
+    """(L, B, H, W, K) -> (L, rows, H, width, K): rows `index` of `a`, then zeros; every row zero-padded
+    along axis 3. One allocation, each value copied once."""
     layers, _, heads, w, d_k = a.shape
     out = np.zeros((layers, rows, heads, w if width is None else width, d_k), dtype=a.dtype)
-    k = len(index)
-    np.take(a, index, axis=1, out=out[:, :k, :, :w], mode="clip")  # clip: no bounds-check buffer
-    if new is not None:
-        out[:, k : k + new.shape[1], :, : new.shape[3]] = new
+    np.take(a, index, axis=1, out=out[:, : len(index), :, :w], mode="clip")  # clip: no bounds-check buffer
+    return out
+
+
+def _padded(mask: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """(n, W) -> (rows, width): the mask's rows, then zero rows; every row zero-padded."""
+    out = np.zeros((rows, width), dtype=mask.dtype)
+    out[: mask.shape[0], : mask.shape[1]] = mask
     return out
 
 
@@ -163,26 +165,21 @@ class DecodingBatch:
     def _allocate(self, rows: int, source: int, slots: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
         """Arrays for `rows` rows, `source` positions (rounded up) and `slots` cache slots, with the
         batch's rows, sources and used cache slots copied in."""
-        layers, _, heads, _, d_k = shape
         n, t, s = len(self.rows), self.cache_length, cache_capacity(source)
-
-        def resized(a: np.ndarray, width: int, used: int) -> np.ndarray:  # (L, R, H, W, K) -> (L, rows, H, width, K)
-            out = np.zeros((layers, rows, heads, width, d_k), dtype=a.dtype)
-            out[:, :n, :, :used] = a[:, :n, :, :used]
-            return out
-
-        if not n:
+        if not n:  # a fresh batch: nothing to copy (the old arrays may be of any shape)
+            layers, _, heads, _, d_k = shape
             self.cross_keys, self.cross_values = (np.zeros((layers, rows, heads, s, d_k), dtype) for _ in range(2))
             self.cache_keys, self.cache_values = (np.zeros((layers, rows, heads, slots, d_k), dtype) for _ in range(2))
             self._memory_mask = np.zeros((rows, s), dtype=np.int64)
             self._cache_mask = np.zeros((rows, slots), dtype=np.int64)
             return
-        used_s = self._memory_mask.shape[1]
-        self.cross_keys, self.cross_values = resized(self.cross_keys, s, used_s), resized(self.cross_values, s, used_s)
-        self.cache_keys, self.cache_values = resized(self.cache_keys, slots, t), resized(self.cache_values, slots, t)
-        memory_mask, cache_mask = np.zeros((rows, s), dtype=np.int64), np.zeros((rows, slots), dtype=np.int64)
-        memory_mask[:n, :used_s], cache_mask[:n, :t] = self._memory_mask[:n], self._cache_mask[:n, :t]
-        self._memory_mask, self._cache_mask = memory_mask, cache_mask
+        everyone, used = np.arange(n), self._memory_mask.shape[1]
+        self.cross_keys, self.cross_values = (_gather_rows(a[:, :, :, :used], everyone, rows, s)
+                                              for a in (self.cross_keys, self.cross_values))  # fmt: skip
+        self.cache_keys, self.cache_values = (_gather_rows(a[:, :, :, :t], everyone, rows, slots)
+                                              for a in (self.cache_keys, self.cache_values))  # fmt: skip
+        self._memory_mask = _padded(self._memory_mask[:n], rows, s)
+        self._cache_mask = _padded(self._cache_mask[:n, :t], rows, slots)
 
     def _make_room(self) -> None:
         """Before a step: when the cache is full, or CACHE_GROWTH leading slots are used by no row
@@ -192,16 +189,10 @@ class DecodingBatch:
         first = int(used[0]) if used.size else t
         if t < self._cache_mask.shape[1] and first < CACHE_GROWTH:
             return
-        length, capacity = t - first, cache_capacity(t - first + 1)
-        rows = self._cache_mask.shape[0]
-        for name in ("cache_keys", "cache_values"):
-            old = getattr(self, name)
-            new = np.zeros((old.shape[0], rows, old.shape[2], capacity, old.shape[4]), dtype=old.dtype)
-            new[:, :n, :, :length] = old[:, :n, :, first:t]
-            setattr(self, name, new)
-        mask = np.zeros((rows, capacity), dtype=np.int64)
-        mask[:n, :length] = self._cache_mask[:n, first:t]
-        self._cache_mask, self.cache_length = mask, length
+        everyone, rows, capacity = np.arange(n), self._cache_mask.shape[0], cache_capacity(t - first + 1)
+        self.cache_keys, self.cache_values = (_gather_rows(a[:, :, :, first:t], everyone, rows, capacity)
+                                              for a in (self.cache_keys, self.cache_values))  # fmt: skip
+        self._cache_mask, self.cache_length = _padded(self._cache_mask[:n, first:t], rows, capacity), t - first
 
     def _leave(self, finished: list[int]) -> None:
         """Rows `finished` leave: each is filled by the batch's last row (that row's data moved)."""

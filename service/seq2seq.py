@@ -83,6 +83,8 @@ class OnnxSeq2Seq:
             str(d / graph_file(DECODER_FILE, precision)), options, providers=list(providers)
         )
         self.providers = self.encoder.get_providers()
+        layers = (len(self.decoder.get_inputs()) - len(STEP_INPUTS)) // len(PER_LAYER_INPUTS)
+        self._step_inputs = step_input_names(layers)
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ck, cv = self.encoder.run(
@@ -96,5 +98,4 @@ class OnnxSeq2Seq:
 
     def step_feeds(self, *arrays: np.ndarray) -> dict[str, np.ndarray]:
         """`StepModel.step`'s arguments as the decoder graph's feeds."""
-        feeds = step_arrays(*arrays)
-        return dict(zip(step_input_names(len(arrays[2])), feeds, strict=True))
+        return dict(zip(self._step_inputs, step_arrays(*arrays), strict=True))
