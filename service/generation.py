@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class Hypothesis:
     attention: list[np.ndarray] = field(default_factory=list)  # one (S,) row per output token
     score: float = 0.0
     done: bool = False
-    tag: object = None  # the caller's handle (a request, an index)
+    tag: Any = None  # the caller's handle (a request, an index), opaque to decoding
     with_attention: bool = False  # keep this row's cross-attention (the batch may keep everyone's)
 
     @property
@@ -261,7 +261,7 @@ def greedy_decode(
         batch.add([Hypothesis(list(sources[i]), max_len, tag=i) for i in chunk])
         while len(batch):
             for h in batch.step():
-                results[h.tag] = h  # type: ignore[index]
+                results[h.tag] = h
     return [h for h in results if h is not None]
 
 
@@ -324,9 +324,9 @@ def beam_search(
                 if len(kept) == k:
                     break
             if len(finished[w]) >= k or t == max_len:  # this word is done: its rows leave
-                out[w] = _best(finished[w], sources[w], max_len, bos_id, eos_id, with_attention, tag=w)
+                best = out[w] = _best(finished[w], sources[w], max_len, bos_id, eos_id, with_attention, tag=w)
                 if on_word is not None:
-                    on_word(w, out[w])
+                    on_word(w, best)
                 continue
             kept += [(a * k, eos_id, -np.inf)] * (k - len(kept))  # keep k rows a word: dead beams score -inf
             staying.append(w)
@@ -356,7 +356,7 @@ def _best(
     bos_id: int,
     eos_id: int,
     with_attention: bool,
-    tag: object,
+    tag: Any,
 ) -> Hypothesis:
     best_score, seq, hist = max(finished, key=lambda f: f[0])
     h = Hypothesis(list(source), max_len, tokens=[bos_id, *seq, eos_id], score=best_score, done=True, tag=tag)

@@ -17,13 +17,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem
+from service.admission import WorkItem
+from service.batching import DynamicBatcher
 from service.codec import NUMPY_DTYPES, datatype_of
 from service.errors import InvalidArgument
 from service.generation import Hypothesis
 from service.metrics import ModelObserver
 from service.repository import ModelConfig
 from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
+from service.scheduler import GenerationScheduler, WordsRequest
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 

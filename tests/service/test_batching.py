@@ -7,7 +7,6 @@ would get alone), and what is refused (at once, with a reason). Speed is for `qk
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import random
 import threading
@@ -25,36 +24,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import priority, protocol
-from service.batching import DynamicBatcher, GenerationScheduler, WordsRequest, WorkItem, select_batch
+from service.admission import WorkItem
+from service.batching import DynamicBatcher, select_batch
 from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
-from service.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
 from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
-from service.seq2seq import OnnxSeq2Seq, session_options
-from service.vocab import Vocabulary
+from service.seq2seq import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
+from tests.service.queue_helpers import Recorder, until
 
 VOCAB = 33  # g2p_encoder's input vocabulary
 NICE = ServerSettings().compute_nice  # the default --compute-nice
-
-
-class Recorder:
-    """A BatchObserver that keeps what the scheduler reports."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[int, int, int]] = []  # rows, padded tokens, real tokens
-        self.drops: list[str] = []
-
-    def queue_depth(self, requests: int) -> None: ...
-    def waited(self, seconds: float) -> None: ...
-
-    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
-        self.batches.append((rows, padded_tokens, real_tokens))
-
-    def dropped(self, reason: str) -> None:
-        self.drops.append(reason)
 
 
 class Doubler:
@@ -85,13 +67,6 @@ class Doubler:
 
 def _item(payload: int, length: int = 40, rows: int = 1, deadline: float | None = None) -> WorkItem:
     return WorkItem(rows, length, payload, asyncio.get_running_loop().create_future(), deadline=deadline)
-
-
-async def _until(condition: Any, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.001)
 
 
 # -- select_batch: the pure choice of the next batch ---------------------------------------------
@@ -135,7 +110,7 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_never_computed() -> Non
         b = DynamicBatcher("m", BatchingConfig(), model, instances=1, observer=seen)
         b.start()
         first = asyncio.create_task(b.submit(_item(1)))
-        await _until(lambda: model.instances)  # the only instance is now busy
+        await until(lambda: model.instances)  # the only instance is now busy
         late = asyncio.create_task(b.submit(_item(2, deadline=time.monotonic() + 0.05)))
         kept = asyncio.create_task(b.submit(_item(3)))
         await asyncio.sleep(0.1)  # past the deadline, still queued
@@ -156,12 +131,12 @@ def test_a_cancelled_request_leaves_the_queue_at_once_and_is_never_computed() ->
         b = DynamicBatcher("m", BatchingConfig(), model, instances=1, observer=seen)
         b.start()
         first = asyncio.create_task(b.submit(_item(1)))
-        await _until(lambda: model.instances)
+        await until(lambda: model.instances)
         gone = asyncio.create_task(b.submit(_item(2, length=100)))
         kept = asyncio.create_task(b.submit(_item(3)))
-        await _until(lambda: len(b.queue) == 2)
+        await until(lambda: len(b.queue) == 2)
         gone.cancel()
-        await _until(lambda: len(b.queue) == 1)  # out of the queue before the instance is free
+        await until(lambda: len(b.queue) == 1)  # out of the queue before the instance is free
         assert b.admission.queued_tokens == 40 and seen.drops == ["cancelled"]
         model.gate.set()
         assert await first == 2 and await kept == 6
@@ -178,9 +153,9 @@ def test_queue_limits_refuse_at_once_with_a_pushback_hint() -> None:
         b = DynamicBatcher("m", config, model, instances=1)
         b.start()
         first = asyncio.create_task(b.submit(_item(1)))
-        await _until(lambda: model.instances)
+        await until(lambda: model.instances)
         queued = [asyncio.create_task(b.submit(_item(k, length=30))) for k in (2, 3, 4)]
-        await _until(lambda: len(b.queue) == 3)
+        await until(lambda: len(b.queue) == 3)
         with pytest.raises(ResourceExhausted, match=r"3 requests / 90 tokens queued \(limits 3 / 100\)"):
             await b.submit(_item(5, length=1))
         b.config = BatchingConfig(max_queue_requests=10, max_queue_tokens=100)
@@ -249,179 +224,6 @@ def test_a_small_request_on_an_idle_server_runs_inline_and_a_failure_stays_its_o
         await b.close()
 
     asyncio.run(run())
-
-
-# -- GenerationScheduler on the shipped g2p graphs -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def g2p_graphs() -> tuple[OnnxSeq2Seq, Vocabulary]:
-    version = MODELS / "g2p" / "1"
-    return OnnxSeq2Seq(version, session_options(1)), Vocabulary.load(version / "graphemes.json")
-
-
-def test_continuous_batching_gives_each_word_what_it_gets_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
-    model, graphemes = g2p_graphs
-    long_words = ["internationalization", "counterrevolutionaries", "electroencephalograph", "unconstitutionally"]
-    short_words = ["cat", "on", "the", "mat", "a", "dog", "ran", "far", "up", "it"]
-    alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in long_words + short_words}
-
-    async def run() -> tuple[dict[str, list[int]], Recorder]:
-        seen = Recorder()
-        scheduler = GenerationScheduler("g2p", BatchingConfig(min_join_rows=1), [model], observer=seen)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-
-        async def convert(words: list[str]) -> list[list[int]]:
-            sources = [graphemes.encode(w) for w in words]
-            req = WordsRequest(sources, 40)
-            item = WorkItem(len(sources), max(map(len, sources)) + 1, req, loop.create_future())
-            return [h.output for h in await scheduler.submit(item)]
-
-        long_task = asyncio.create_task(convert(long_words))
-        await _until(lambda: len(seen.batches) >= 2)  # the long words are decoding
-        shorts = await asyncio.gather(*[convert([w]) for w in short_words])
-        longs = await long_task
-        await scheduler.close()
-        return dict(zip(long_words + short_words, longs + [s[0] for s in shorts], strict=True)), seen
-
-    served, seen = asyncio.run(run())
-    assert served == alone
-    rows = [r for r, _, _ in seen.batches]
-    assert any(b > a > 0 for a, b in itertools.pairwise(rows)), f"no word joined a running batch: {rows}"
-
-
-def test_rows_leaving_and_joining_at_one_step_decode_as_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
-    """The batch's arrays are rebuilt once when rows leave and join together: every word still gets
-    its own phonemes and log-probability, and the cache sheds the columns only departed rows used."""
-    model, graphemes = g2p_graphs
-    words = ["the", "internationalization", "of", "a", "cat", "on", "counterrevolutionaries", "mat", "by", "it"]
-    sources = [graphemes.encode(w) for w in [*words, "electroencephalograph", "far", "up", "dog", "ran"] * 3]
-    alone = [greedy_decode(model, [s], 40)[0] for s in sources]
-    rng, batch, got, merged = random.Random(0), DecodingBatch(model), {}, 0
-    i, live, finished = 0, {}, []
-    while i < len(sources) or live:
-        if i < len(sources) and rng.random() < 0.5:
-            joining = [Hypothesis(s, 40, tag=j) for j, s in enumerate(sources[i : i + rng.randint(1, 4)], start=i)]
-            batch.add(joining)
-            merged += bool(finished) and len(live) > 0
-            live.update((h.tag, h) for h in joining)
-            i += len(joining)
-        finished = []
-        if live:
-            oldest = max(len(h.tokens) for h in live.values())  # the cache holds its history
-            finished = batch.step()
-            assert oldest <= batch.cache_length < oldest + CACHE_GROWTH  # and sheds slots only departed rows used
-        for h in finished:
-            got[h.tag] = live.pop(h.tag)
-    assert [got[j].output for j in range(len(sources))] == [h.output for h in alone]
-    assert max(abs(got[j].score - h.score) for j, h in enumerate(alone)) < 1e-4
-    assert merged > 5, "no step had rows leaving and joining together"
-
-
-def test_with_batching_off_a_request_decodes_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
-    model, graphemes = g2p_graphs
-    words = ["internationalization", "cat", "on", "the", "mat", "dog"]
-    alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in words}
-
-    async def run() -> tuple[list[list[int]], Recorder]:
-        seen = Recorder()
-        scheduler = GenerationScheduler("g2p", BatchingConfig(enabled=False, min_join_rows=1), [model], observer=seen)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-
-        async def convert(word: str) -> list[int]:
-            item = WorkItem(1, len(word) + 1, WordsRequest([graphemes.encode(word)], 40), loop.create_future())
-            (hyp,) = await scheduler.submit(item)
-            return hyp.output
-
-        served = await asyncio.gather(*[convert(w) for w in words])
-        await scheduler.close()
-        return served, seen
-
-    served, seen = asyncio.run(run())
-    assert served == [alone[w] for w in words]
-    assert {rows for rows, _, _ in seen.batches} == {1}, "a word joined another request's decode"
-
-
-def test_waiting_beam_requests_decode_together_and_each_is_answered_when_its_words_are_done(
-    g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
-) -> None:
-    model, graphemes = g2p_graphs
-    requests = [(["internationalization"], 4), (["cat"], 4), (["on", "the", "mat"], 4), (["dog"], 2),
-                (["counterrevolutionaries", "a"], 4)]  # fmt: skip
-    alone = [[h.output for h in beam_search(model, [graphemes.encode(w) for w in ws], k, 40)] for ws, k in requests]
-
-    async def run() -> tuple[list[list[list[int]]], list[int], Recorder]:
-        seen = Recorder()
-        scheduler = GenerationScheduler("g2p", BatchingConfig(), [model], observer=seen)
-        loop = asyncio.get_running_loop()
-        answered: list[int] = []
-
-        async def convert(i: int, words: list[str], k: int) -> list[list[int]]:
-            sources = [graphemes.encode(w) for w in words]
-            item = WorkItem(
-                len(sources), max(map(len, sources)) + 1, WordsRequest(sources, 40, k), loop.create_future()
-            )
-            hyps = await scheduler.submit(item)
-            answered.append(i)
-            return [h.output for h in hyps]
-
-        tasks = [asyncio.create_task(convert(i, ws, k)) for i, (ws, k) in enumerate(requests)]
-        await asyncio.sleep(0.05)  # all queued before the decoding thread starts: one batch is possible
-        scheduler.start()
-        served = await asyncio.gather(*tasks)
-        await scheduler.close()
-        return served, answered, seen
-
-    served, answered, seen = asyncio.run(run())
-    assert served == alone
-    # The beam-4 requests share one batch (7 words x 4 beams); the beam-2 one cannot join it.
-    assert sorted(rows for rows, _, _ in seen.batches) == [1 * 2, 7 * 4]
-    assert answered.index(1) < answered.index(0), "'cat' waited for 'internationalization' to finish"
-    assert answered.index(1) < answered.index(4)
-
-
-def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
-    g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
-) -> None:
-    """Beam search starts only on an empty batch. With more greedy words waiting than a batch holds,
-    joins come every step and the batch never empties, unless an instance lets it run dry."""
-    model, graphemes = g2p_graphs
-    words = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
-    (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
-
-    async def run() -> tuple[list[int], int]:
-        seen = Recorder()
-        scheduler = GenerationScheduler("g2p", BatchingConfig(max_batch_size=16), [model], observer=seen)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-
-        async def convert(word: str, beam_size: int = 1) -> list[int]:
-            src = graphemes.encode(word)
-            item = WorkItem(1, len(src) + 1, WordsRequest([src], 40, beam_size), loop.create_future())
-            (hyp,) = await scheduler.submit(item)
-            return hyp.output
-
-        async def client(i: int) -> None:
-            while not stop.is_set():
-                await convert(words[i % len(words)])
-                i += 1
-
-        flood = [asyncio.create_task(client(i)) for i in range(48)]  # 48 words for a batch of 16
-        await _until(lambda: len(seen.batches) >= 20)
-        try:
-            beam = await asyncio.wait_for(convert("pronunciation", 4), timeout=20)
-        finally:
-            stop.set()
-            await asyncio.gather(*flood)
-            await scheduler.close()
-        return beam, len(seen.batches)
-
-    beam, steps = asyncio.run(run())
-    assert beam == expected.output
-    assert steps > 20
 
 
 # -- over the wire: a real server ----------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""Continuous (iteration-level) batching of word decoding, for the g2p kind.
+
+One decoding thread per model instance keeps its own `DecodingBatch` (service.generation) and
+steps it without returning to the event loop. A finished word leaves at once, and its request
+is answered as soon as all its words are done; waiting words join the running batch at the next
+step (continuous), or only once it is empty (static). Beam requests decode together in a batch
+of their own. Admission (bounded queue, deadlines) is `service.admission`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from service import priority
+from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
+from service.errors import Internal, Unavailable
+from service.generation import DecodingBatch, Hypothesis, StepModel, beam_search
+from service.repository import BatchingConfig
+
+__all__ = ["GenerationScheduler", "WordsRequest"]
+
+log = logging.getLogger("qkv.scheduler")
+
+
+@dataclass(eq=False)
+class WordsRequest:
+    """A g2p request: the words of all its elements, decoded independently."""
+
+    sources: list[list[int]]
+    max_output_length: int
+    beam_size: int = 1
+    with_attention: bool = False
+    results: list[Hypothesis | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+class GenerationScheduler:
+    """Continuous batching of word decoding: one decoding thread per model instance.
+
+    Each thread keeps its own `DecodingBatch` and runs step after step without returning to the
+    event loop: finished requests are handed back with `call_soon_threadsafe`, and waiting words
+    are taken from the shared queue between steps (continuous) or only when the batch is empty
+    (static). The queue and its admission counters are shared under one lock.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: BatchingConfig,
+        models: Sequence[StepModel],
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self.name, self.config, self.models = name, config, list(models)
+        self.observer = observer or NullObserver()
+        self.admission = Admission(name, config, len(self.models))
+        self.queue: list[WorkItem] = []  # requests not yet admitted into a batch
+        self._lock = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._stopping = False
+        self._drainer: int | None = None  # the instance letting its batch run dry for waiting beams
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        first = priority.reserve(len(self.models))
+        self._threads = [threading.Thread(target=self._work, args=(i, first + i), name=f"qkv-{self.name}-{i}",
+                                          daemon=True) for i in range(len(self.models))]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    async def submit(self, item: WorkItem) -> list[Hypothesis]:
+        if self._closed:
+            raise Unavailable(f"model '{self.name}' is shutting down")
+        req: WordsRequest = item.payload
+        req.results = [None] * len(req.sources)
+        req.remaining = len(req.sources)
+        with self._lock:
+            self.admission.admit(item.tokens, item.deadline)
+            self.queue.append(item)
+            self.observer.queue_depth(len(self.queue))
+            self._lock.notify()
+        try:
+            return await item.future  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            with self._lock:  # the client left: a request still queued leaves the queue now
+                item.cancelled = True
+                if item in self.queue:
+                    self._pop(item)
+                    self.observer.dropped("cancelled")
+            raise
+
+    # -- called on the decoding threads ------------------------------------------------------
+
+    def _resolve(self, item: WorkItem, result: Any = None, error: BaseException | None = None) -> None:
+        self._resolve_all([(item, result, error)])
+
+    def _resolve_all(self, outcomes: list[tuple[WorkItem, Any, BaseException | None]]) -> None:
+        """Hand results to the event loop: one wake-up for all of them (each costs a write to its
+        self-pipe, a system call made holding the GIL the loop needs)."""
+
+        def settle() -> None:
+            for item, result, error in outcomes:
+                if item.future.done():
+                    continue
+                if error is not None:
+                    item.future.set_exception(error)
+                else:
+                    item.future.set_result(result)
+
+        if outcomes:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(settle)
+
+    def _pop(self, item: WorkItem) -> None:
+        self.queue.remove(item)
+        self.admission.release(item.tokens)
+        self.observer.queue_depth(len(self.queue))
+
+    def _gone(self, item: WorkItem, now: float) -> bool:
+        """On a decoding thread, under the lock: refuse a request that is gone; True when it was refused."""
+        error = why_gone(item, now, self.observer)
+        if error is None:
+            return False
+        self._pop(item)
+        self._resolve(item, error=error)
+        return True
+
+    def _admit_into(self, batch: DecodingBatch) -> list[Hypothesis]:
+        """Waiting greedy requests that fit into `batch` now (whole requests, oldest first)."""
+        c = self.config
+        now = time.monotonic()
+        rows = len(batch)
+        joined: list[Hypothesis] = []
+        if rows and not (c.continuous and c.enabled):  # static batching, or none: no one joins a running batch
+            return joined
+        for item in [x for x in self.queue if x.payload.beam_size == 1]:
+            self._gone(item, now)
+        greedy = [x for x in self.queue if x.payload.beam_size == 1]
+        if rows and greedy:
+            # Joining costs an encoder run: gather a few words first, unless the oldest has waited enough.
+            waiting = sum(len(x.payload.sources) for x in greedy)
+            patience = greedy[0].arrived + c.max_queue_delay_ms / 1e3 - now
+            if waiting < min(c.min_join_rows, c.max_batch_size - rows) and patience > 0:
+                return joined
+        for item in greedy:
+            req: WordsRequest = item.payload
+            n = len(req.sources)
+            if rows and rows + n > c.max_batch_size:
+                break
+            self._pop(item)
+            item.started = now
+            self.observer.waited(now - item.arrived)
+            joined += [Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
+                       for j, src in enumerate(req.sources)]  # fmt: skip
+            rows += n
+            if not c.enabled:
+                break
+        return joined
+
+    def _next_beams(self) -> list[WorkItem]:
+        """The oldest waiting beam request and those that can decode beside it: the same beam width
+        and output limit, within max_batch_size rows (words x beams); alone with batching off."""
+        c = self.config
+        now = time.monotonic()
+        waiting = [x for x in self.queue if x.payload.beam_size > 1 and not self._gone(x, now)]
+        taken: list[WorkItem] = []
+        rows = 0
+        for item in waiting:
+            req: WordsRequest = item.payload
+            first: WordsRequest = (taken[0] if taken else item).payload
+            n = len(req.sources) * req.beam_size
+            if taken and ((req.beam_size, req.max_output_length) != (first.beam_size, first.max_output_length)
+                          or rows + n > c.max_batch_size):  # fmt: skip
+                continue
+            self._pop(item)
+            item.started = now
+            self.observer.waited(now - item.arrived)
+            taken.append(item)
+            rows += n
+            if not c.enabled:
+                break
+        return taken
+
+    def _drains_for_beams(self, instance: int) -> bool:
+        """Whether this instance should take no one into its batch, so that it runs dry for the waiting
+        beam requests. They start only on an empty batch, and under continuous load a batch may never
+        empty. Once the oldest has waited max_queue_delay_ms, one instance stops taking joins."""
+        oldest = next((x for x in self.queue if x.payload.beam_size > 1), None)
+        if oldest is None:
+            if self._drainer == instance:
+                self._drainer = None
+            return False
+        if self._drainer is None and time.monotonic() - oldest.arrived >= self.config.max_queue_delay_ms / 1e3:
+            self._drainer = instance
+        return self._drainer == instance
+
+    def _finish(self, finished: list[Hypothesis]) -> None:
+        """Record finished words; answer the requests whose words are now all done."""
+        done: list[tuple[WorkItem, Any, BaseException | None]] = []
+        for h in finished:
+            item, j = h.tag
+            req: WordsRequest = item.payload
+            req.results[j] = h
+            req.remaining -= 1
+            if req.remaining == 0:
+                done.append((item, req.results, None))
+        self._resolve_all(done)
+
+    def _work(self, instance: int, slot: int) -> None:
+        priority.lower_this_thread(slot)
+        model = self.models[instance]
+        batch = DecodingBatch(model)
+        while True:
+            with self._lock:
+                while not len(batch) and not self.queue and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and not len(batch) and not self.queue:
+                    return
+                beams = [] if len(batch) else self._next_beams()
+                new = [] if beams or self._drains_for_beams(instance) else self._admit_into(batch)
+                if not beams and not new and not len(batch):
+                    self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
+                    continue
+            if beams:
+                self._run_beams(beams, model)
+                continue
+            start = time.monotonic()
+            try:
+                batch.add(new)
+                rows, real = len(batch), int(batch.memory_mask.sum())
+                padded = batch.memory_mask.size
+                finished = batch.step()
+            except Exception as e:  # fail every request in this batch, keep serving
+                log.error("model '%s': decoding batch failed: %s", self.name, e)
+                failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}
+                for item in failed.values():
+                    self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
+                batch = DecodingBatch(model)
+                continue
+            seconds = time.monotonic() - start
+            self._finish(finished)  # answer first, then account
+            self.observer.batch(rows, padded, real, seconds)
+            with self._lock:
+                self.admission.measured(rows, seconds, saturated=bool(self.queue))
+
+    def _run_beams(self, items: list[WorkItem], model: StepModel) -> None:
+        """One beam search over the words of all `items`; each request is answered as soon as its
+        own words are done."""
+        reqs: list[WordsRequest] = [x.payload for x in items]
+        sources = [s for req in reqs for s in req.sources]
+        owners = [(item, j) for item, req in zip(items, reqs, strict=True) for j in range(len(req.sources))]
+
+        def on_word(index: int, best: Hypothesis) -> None:
+            best.tag = owners[index]
+            self._finish([best])
+
+        k, limit = reqs[0].beam_size, reqs[0].max_output_length
+        start = time.monotonic()
+        try:
+            beam_search(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs), on_word)
+        except Exception as e:
+            log.error("model '%s': beam search failed: %s", self.name, e)
+            error = Internal(f"model '{self.name}' failed on this request: {e}")
+            self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
+            return
+        lengths = [len(s) for s in sources]
+        self.observer.batch(len(sources) * k, len(sources) * max(lengths), sum(lengths), time.monotonic() - start)
+
+    async def close(self) -> None:
+        """Refuse new work; let the threads finish what they hold, then stop them."""
+        self._closed = True
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        for t in self._threads:
+            await asyncio.get_running_loop().run_in_executor(None, t.join)
