@@ -13,7 +13,7 @@ test: $(VENV)/.dev tools
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -66,4 +66,4 @@ class TorchStepModel:
     @torch.inference_mode()
     def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in step_arrays(*arrays)))
-        return tuple(o.numpy() for o in outs)  # type: ignore[return-value]
+        return tuple(o.numpy() for o in outs)

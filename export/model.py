@@ -21,7 +21,9 @@ values (computed once per word), and one decoder step extends a key/value cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +48,15 @@ __all__ = [
 ]
 
 NEG_INF = -1e9
+
+M = TypeVar("M", bound=nn.Module, covariant=True)
+
+
+class Layers(Protocol[M]):
+    """An nn.ModuleList seen as the layers it holds (torch types its items as plain Modules)."""
+
+    def __iter__(self) -> Iterator[M]: ...
+    def __getitem__(self, index: int) -> M: ...
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,8 @@ class PositionwiseFeedForward(nn.Module):
 class PositionalEncoding(nn.Module):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...)  (Section 3.5)."""
 
+    pe: Tensor  # (max_len, D), a buffer
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         position = torch.arange(config.max_len).unsqueeze(1)  # (max_len, 1)
@@ -210,12 +223,14 @@ class Encoder(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention over the memory, feed-forward  (Figure 1, right)."""
 
+    sublayer: Layers[SublayerConnection]  # DecoderStep reads their norms
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(config)
         self.src_attn = MultiHeadAttention(config)
         self.feed_forward = PositionwiseFeedForward(config)
-        self.sublayer = nn.ModuleList([SublayerConnection(config) for _ in range(3)])
+        self.sublayer = nn.ModuleList([SublayerConnection(config) for _ in range(3)])  # type: ignore[assignment]
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> Tensor:
         x = self.sublayer[0](x, lambda y: self.self_attn(y, y, y, tgt_mask))
@@ -226,9 +241,11 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """A stack of N decoder layers with a final norm."""
 
+    layers: Layers[DecoderLayer]  # EncoderGraph and DecoderStep read their parts
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder)])
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder)])  # type: ignore[assignment]
         self.norm = nn.LayerNorm(config.d_model)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, tgt_mask: Tensor) -> Tensor:

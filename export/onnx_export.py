@@ -29,7 +29,7 @@ from export import data
 from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
-from service.generation import greedy_decode, pad_ids
+from service.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -145,7 +145,8 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str, Any]:
     """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`."""
-    torch_model, onnx_model = TorchStepModel(loaded.model), OnnxSeq2Seq(directory)
+    models: tuple[StepModel, StepModel] = (TorchStepModel(loaded.model), OnnxSeq2Seq(directory))
+    torch_model, onnx_model = models
     rng = np.random.default_rng(0)
     worst = 0.0
     sources = [loaded.graphemes.encode(w) for w in words[:64]]
@@ -160,7 +161,7 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
         layers, n, heads, _, d_k = ck.shape
         caches = [[np.zeros((layers, n, heads, 8, d_k), np.float32) for _ in range(2)] for _ in range(2)]
         for step in range(6):
-            tokens = rng.integers(4, len(loaded.phonemes), size=n).astype(np.int64)
+            tokens = rng.integers(4, len(loaded.phonemes), size=(n,)).astype(np.int64)
             cache_mask = (np.arange(8) < step).astype(np.int64)[None].repeat(n, axis=0)
             outs = []
             for m, (keys, values) in zip((torch_model, onnx_model), caches, strict=True):

@@ -41,7 +41,7 @@ def quantize_graphs(version: Path, calibration_words: int = 400) -> list[Path]:
     """Write encoder.int8.onnx and decoder.int8.onnx next to their fp32 graphs in `version`."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    class Feeds(CalibrationDataReader):
+    class Feeds(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
             self.feeds = iter(feeds)
 

@@ -63,7 +63,7 @@ def raw_ceiling(model: Path, length: int, vocab: int, seconds: float = 1.5,
                 k: int,
                 feeds: dict[str, np.ndarray] = feeds,
                 stop: float = stop,
-                pool: list = pool,
+                pool: list[ort.InferenceSession] = pool,
                 counts: list[int] = counts,
             ) -> None:
                 while time.perf_counter() < stop:
@@ -139,7 +139,8 @@ class _Servers:
     """Start servers on repository variants; stop them all at the end."""
 
     def __init__(self, models: Path, scratch: Path) -> None:
-        self.models, self.scratch, self.running = models, scratch, []
+        self.models, self.scratch = models, scratch
+        self.running: list[ServerProcess] = []
         self.count = 0
 
     def start(self, changes: dict[str, dict[str, Any]] | None = None, extra: list[str] | None = None) -> ServerProcess:

@@ -79,7 +79,7 @@ def _channel_args(target: str, ssl: grpc.ChannelCredentials | None) -> dict[str,
 
 
 def _backoff(attempt: int) -> float:
-    return min(1.0, 0.05 * 2**attempt) * (0.5 + random.random() / 2)
+    return min(1.0, 0.05 * 2.0**attempt) * (0.5 + random.random() / 2)
 
 
 class Client:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,10 @@ def _convert(kind: str, value: str) -> Any:
     return value
 
 
+def _converter(kind: str) -> Callable[[str], Any]:
+    return lambda value: _convert(kind, value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerSettings):
         flag = "--" + f.name.replace("_", "-")
@@ -81,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(
                 flag,
-                type=lambda v, k=kind: _convert(k, v),
+                type=_converter(kind),
                 default=None,
                 help=help_text,
                 choices=f.metadata.get("choices"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol, Self, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -39,7 +40,17 @@ def step_input_names(layers: int) -> list[str]:
     return [*STEP_INPUTS, *(f"{name}_{i}" for i in range(layers) for name in PER_LAYER_INPUTS)]
 
 
-def step_arrays(*args: np.ndarray) -> list[np.ndarray]:
+class _Layered(Protocol):
+    """What `step_arrays` needs of an array: numpy's, or torch's when exporting (no torch import here)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> Self: ...
+
+
+_A = TypeVar("_A", bound=_Layered)
+
+
+def step_arrays(*args: _A) -> list[_A]:
     """A `StepModel.step`'s arguments in the decoder graph's input order. Each layer's slice of an
     (L, ...) array is a contiguous view: nothing is copied."""
     tokens, positions, cache_keys, cache_values, cache_mask, cross_keys, cross_values, memory_mask = args

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,10 @@ def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
     for config in load_repository(settings.model_repository):
         observer = metrics.observer(config.name)
         if config.kind == "g2p":
-            g2p = priority.run_lowered(lambda c=config: G2PRuntime(c, providers))
+            g2p = priority.run_lowered(partial(G2PRuntime, config, providers))
             models[config.name] = G2PModel(config, g2p, observer)
         else:
-            tensor = priority.run_lowered(lambda c=config: TensorRuntime(c, providers))
+            tensor = priority.run_lowered(partial(TensorRuntime, config, providers))
             models[config.name] = TensorModel(config, tensor, observer)
         m = models[config.name]
         metrics.model_info.labels(m.name, m.version, m.provider).set(1)
@@ -288,7 +289,7 @@ def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
-class TokenAuth(grpc.aio.ServerInterceptor):
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Bearer tokens on the inference service; health and reflection stay open for probes."""
 
     def __init__(self, tokens: list[str]) -> None:

@@ -99,7 +99,8 @@ def message_class(name: str) -> type[Message]:
             descriptor: Descriptor = POOL.FindMessageTypeByName(full_name)
         except KeyError:
             continue
-        return message_factory.GetMessageClass(descriptor)
+        cls: type[Message] = message_factory.GetMessageClass(descriptor)
+        return cls
     raise KeyError(f"no message {name!r} in the inference protocol")
 
 
