@@ -1,31 +1,25 @@
-"""The gRPC server: the v2 inference service, health, reflection, auth, metrics, drain.
+"""The gRPC server: the v2 inference service, health, reflection, metrics, drain.
 
 Each RPC method decodes the protobuf request, awaits the protocol-free model (service/models.py)
 and encodes the answer. Models are loaded before the port opens; a model that fails to load
-stops the start.
+stops the start. Who may call it (TLS, bearer tokens) is service/security.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
-import hmac
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
-from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -37,6 +31,7 @@ from service.metrics import Metrics, seq_len_bucket
 from service.models import G2PModel, ModelStats, TensorModel
 from service.repository import RepositoryError, load_repository
 from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.security import TokenAuth, bearer_tokens, server_credentials
 
 __all__ = ["Server", "load_models", "serve"]
 
@@ -48,8 +43,6 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
 SWITCH_INTERVAL_S = 0.0005
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
-# The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
-OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
@@ -285,115 +278,14 @@ class InferenceService:
         return inputs
 
 
-def _digest(token: bytes) -> bytes:
-    return hashlib.sha256(token).digest()
-
-
-class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Bearer tokens on the inference service; health and reflection stay open for probes."""
-
-    def __init__(self, tokens: list[str]) -> None:
-        # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
-        self.tokens = [_digest(t.encode()) for t in tokens]
-
-    def _allowed(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = _digest(value[7:].strip().encode())
-                # compare against every token, so the time taken says nothing about which matched
-                return any([hmac.compare_digest(offered, t) for t in self.tokens])
-        return False
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        if details.method in OPEN_METHODS or not details.method.startswith(f"/{protocol.SERVICE_NAME}/"):
-            return await continuation(details)
-        if self._allowed(details.invocation_metadata):
-            return await continuation(details)
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or invalid bearer token (send metadata 'authorization: Bearer TOKEN')",
-            )
-
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
-
-
-def _tokens(s: ServerSettings) -> list[str]:
-    """The bearer tokens of --auth-token-file, one a line (blank lines skipped)."""
-    if not s.auth_token_file:
-        return []
-    try:
-        text = _read(s.auth_token_file, "token file").decode()
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"qkv: token file {s.auth_token_file} is not UTF-8 text (byte {e.start})") from None
-    tokens = [t.strip() for t in text.splitlines() if t.strip()]
-    if not tokens:
-        raise SystemExit(f"qkv: token file {s.auth_token_file} holds no token")
-    return tokens
-
-
-def _credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
-    """TLS (and mutual TLS) server credentials, every file checked now: a bad one stops the start."""
-    if not s.tls_cert and not s.tls_key:
-        if s.tls_client_ca:
-            raise SystemExit("qkv: --tls-client-ca needs --tls-cert and --tls-key")
-        return None
-    if not (s.tls_cert and s.tls_key):
-        raise SystemExit("qkv: --tls-cert and --tls-key go together")
-    cert, key = _read(s.tls_cert, "TLS certificate"), _read(s.tls_key, "TLS key")
-    if b"-----BEGIN CERTIFICATE-----" not in cert:
-        raise SystemExit(f"qkv: TLS certificate {s.tls_cert} holds no PEM certificate")
-    if b"PRIVATE KEY-----" not in key:
-        raise SystemExit(f"qkv: TLS key {s.tls_key} holds no PEM private key")
-    _check_key_matches(cert, key, s)
-    ca = None
-    if s.tls_client_ca:
-        ca = _read(s.tls_client_ca, "client CA")
-        try:
-            x509.load_pem_x509_certificates(ca)
-        except ValueError as e:
-            raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-
-
-def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:
-    """Refuse a certificate or key that does not parse, or a key not of the certificate.
-
-    gRPC itself would only fail at the first handshake, long after the start looked fine.
-    """
-    try:
-        public = x509.load_pem_x509_certificate(cert).public_key()
-    except ValueError as e:
-        raise SystemExit(f"qkv: cannot parse TLS certificate {s.tls_cert}: {e}") from None
-    try:
-        private = serialization.load_pem_private_key(key, password=None)
-    except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # TypeError: the key is encrypted
-        raise SystemExit(f"qkv: cannot parse TLS key {s.tls_key}: {e}") from None
-    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if public.public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
-        raise SystemExit(f"qkv: TLS key {s.tls_key} is not the private key of certificate {s.tls_cert}")
-
-
 class Server:
     """Models + gRPC server + metrics endpoint, started and drained as one."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         # TLS files and tokens first: a bad one stops the start before any model loads.
-        self._credentials = _credentials(settings)
-        self._tokens = _tokens(settings)
+        self._credentials = server_credentials(settings)
+        self._tokens = bearer_tokens(settings)
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
         self.models = load_models(settings, self.metrics)

@@ -1,0 +1,128 @@
+"""Who may call the server: TLS (and mutual TLS) credentials and bearer tokens.
+
+Every file is read and checked at start, so a bad certificate, key or token file stops the
+server before any model loads, instead of failing at the first handshake. Probes stay open:
+health, reflection and the protocol's own liveness/readiness calls carry no token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+
+from service import protocol
+from service.config import ServerSettings
+
+__all__ = ["OPEN_METHODS", "TokenAuth", "bearer_tokens", "server_credentials"]
+
+# The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
+OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
+        self.tokens = [_digest(t.encode()) for t in tokens]
+
+    def _allowed(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = _digest(value[7:].strip().encode())
+                # compare against every token, so the time taken says nothing about which matched
+                return any([hmac.compare_digest(offered, t) for t in self.tokens])
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method in OPEN_METHODS or not details.method.startswith(f"/{protocol.SERVICE_NAME}/"):
+            return await continuation(details)
+        if self._allowed(details.invocation_metadata):
+            return await continuation(details)
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid bearer token (send metadata 'authorization: Bearer TOKEN')",
+            )
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
+
+
+def bearer_tokens(s: ServerSettings) -> list[str]:
+    """The bearer tokens of --auth-token-file, one a line (blank lines skipped)."""
+    if not s.auth_token_file:
+        return []
+    try:
+        text = _read(s.auth_token_file, "token file").decode()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"qkv: token file {s.auth_token_file} is not UTF-8 text (byte {e.start})") from None
+    tokens = [t.strip() for t in text.splitlines() if t.strip()]
+    if not tokens:
+        raise SystemExit(f"qkv: token file {s.auth_token_file} holds no token")
+    return tokens
+
+
+def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS (and mutual TLS) server credentials, every file checked now: a bad one stops the start."""
+    if not s.tls_cert and not s.tls_key:
+        if s.tls_client_ca:
+            raise SystemExit("qkv: --tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (s.tls_cert and s.tls_key):
+        raise SystemExit("qkv: --tls-cert and --tls-key go together")
+    cert, key = _read(s.tls_cert, "TLS certificate"), _read(s.tls_key, "TLS key")
+    if b"-----BEGIN CERTIFICATE-----" not in cert:
+        raise SystemExit(f"qkv: TLS certificate {s.tls_cert} holds no PEM certificate")
+    if b"PRIVATE KEY-----" not in key:
+        raise SystemExit(f"qkv: TLS key {s.tls_key} holds no PEM private key")
+    _check_key_matches(cert, key, s)
+    ca = None
+    if s.tls_client_ca:
+        ca = _read(s.tls_client_ca, "client CA")
+        try:
+            x509.load_pem_x509_certificates(ca)
+        except ValueError as e:
+            raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:
+    """Refuse a certificate or key that does not parse, or a key not of the certificate.
+
+    gRPC itself would only fail at the first handshake, long after the start looked fine.
+    """
+    try:
+        public = x509.load_pem_x509_certificate(cert).public_key()
+    except ValueError as e:
+        raise SystemExit(f"qkv: cannot parse TLS certificate {s.tls_cert}: {e}") from None
+    try:
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # TypeError: the key is encrypted
+        raise SystemExit(f"qkv: cannot parse TLS key {s.tls_key}: {e}") from None
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if public.public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
+        raise SystemExit(f"qkv: TLS key {s.tls_key} is not the private key of certificate {s.tls_cert}")
