@@ -1,0 +1,119 @@
+"""`qkv bench`: load tests over the v2 protocol, with the raw onnxruntime ceiling in the same run.
+
+    qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
+    qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
+
+Every served figure is a ratio to a figure measured in the same run on the same machine (the
+in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
+transfer between machines better than absolute ones. Results: JSON, PNG plots, a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from service import loadgen, protocol
+from service.bench.ceilings import in_process_latency, raw_ceiling
+from service.bench.load import by_length, encoder_maker, held_out_words, run_closed, run_open, vocab_size, word_maker
+from service.bench.report import targets_table
+from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
+from service.bench.servers import padding_share, scrape, variant
+from service.seq2seq import session_options
+
+# The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
+# variants taking turns), load (what is sent), sections (the suite's, one function each), runs
+# (suite, soak, perf_analyzer), report (plot and targets table). Below: the command line.
+
+__all__ = [
+    "in_process_latency",
+    "main",
+    "padding_share",
+    "perf_analyzer_crosscheck",
+    "raw_ceiling",
+    "scrape",
+    "session_options",
+    "soak",
+    "suite",
+    "targets_table",
+    "variant",
+]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="qkv bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--suite", action="store_true", help="run every BENCHMARKS.md target (starts its own servers)")
+    parser.add_argument("--perf-analyzer", type=Path, metavar="BIN", help="cross-check with Triton's perf_analyzer")
+    parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
+    parser.add_argument("--model-repository", type=Path, default=Path("models"))
+    parser.add_argument("--url", default="127.0.0.1:8001")
+    parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
+    parser.add_argument("--lengths", default="64", help="N, or LO:HI uniform (tensor model)")
+    parser.add_argument("--concurrency", default="1,8,32", help="closed loop: comma-separated")
+    parser.add_argument("--rate", type=float, default=0.0, help="open loop at this many requests/s instead")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"suite sections: {','.join(SECTIONS)}")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.perf_analyzer:
+        r = perf_analyzer_crosscheck(args.perf_analyzer, args.model_repository, args.out, args.seconds)
+        print(json.dumps(r))
+        return 0
+    if args.soak:
+        r = soak(args.model_repository, args.out, args.soak)
+        print(
+            f"soak: {r['requests']} requests {r['codes']}; RSS {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} MB "
+            f"({r['rss_growth']:+.1%}); fds {r['fds_before']} -> {r['fds_after']}"
+        )
+        return 0
+    if args.suite:
+        results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))
+        print(targets_table(results))
+        written = [args.out / f for f in ("bench.json", "bench.png", "targets.md") if (args.out / f).exists()]
+        print(f"wrote {', '.join(map(str, written))}")
+        return 0
+    problem = _not_ready(args.url, args.model)
+    if problem:
+        print(f"qkv bench: {problem}", file=sys.stderr)
+        return 2
+    vocab = vocab_size(args.model_repository)
+    if args.model == "g2p":
+        make = word_maker(held_out_words())
+    else:
+        lo, _, hi = args.lengths.partition(":")
+        make = encoder_maker(lambda r: r.randint(int(lo), int(hi or lo)), vocab)
+    report: dict[str, Any] = {}
+    if args.rate:
+        report[f"rate {args.rate:g}"] = loadgen.summarise(
+            run_open(args.url, make, args.rate, args.seconds, "open loop")
+        )
+    else:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            run = run_closed(args.url, make, c, args.seconds, f"concurrency {c}")
+            report[f"concurrency {c}"] = {**loadgen.summarise(run), "by_seq_len": by_length(run)}
+    for name, r in report.items():
+        print(f"{name}: {r['rps']:.1f} req/s  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  codes {r['codes']}  "
+              f"load generator CPU {r['client_cpu_share']:.0%}")  # fmt: skip
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2, default=float))
+    if not any(r["codes"].get("OK") for r in report.values()):
+        print(f"qkv bench: no request to {args.url} succeeded", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _not_ready(url: str, model: str) -> str | None:
+    """Why a load test against `url` would measure nothing but errors, or None when `model` is ready."""
+    with grpc.insecure_channel(url) as channel:
+        try:
+            ready = protocol.Stub(channel).ModelReady(protocol.ModelReadyRequest(name=model), timeout=5).ready
+        except grpc.RpcError as e:
+            return f"cannot reach {url}: {e.code().name}: {e.details()}"
+    return None if ready else f"model '{model}' is not ready on {url}"
