@@ -91,7 +91,10 @@ def _health(argv: list[str]) -> int:
     try:
         status = health_check(args.url, args.service, args.timeout, creds)
     except grpc.RpcError as e:
-        print(f"{e.code().name}: {e.details()}", file=sys.stderr)
+        # grpc.health answers an unknown service NOT_FOUND with no details: say which.
+        unknown = e.code() == grpc.StatusCode.NOT_FOUND and not e.details()
+        why = f"the server has no service '{args.service}'" if unknown else e.details()
+        print(f"qkv health: {e.code().name}: {why}", file=sys.stderr)
         return 1
     print(status)
     return 0 if status == "SERVING" else 1

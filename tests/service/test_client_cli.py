@@ -76,7 +76,8 @@ def test_qkv_infer_health_and_attention(server: RunningServer, tmp_path: Path) -
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     assert qkv("health", "--url", server.url).stdout.strip() == "SERVING"
     assert qkv("health", "--url", server.url, "--service", "g2p").returncode == 0
-    assert qkv("health", "--url", server.url, "--service", "nope").returncode == 1
+    nope = qkv("health", "--url", server.url, "--service", "nope")
+    assert nope.returncode == 1 and nope.stderr.strip() == "qkv health: NOT_FOUND: the server has no service 'nope'"
     png = tmp_path / "attention.png"
     att = qkv("attention", "attention", "--url", server.url, "--out", str(png))
     assert att.returncode == 0, att.stderr
