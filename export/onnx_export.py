@@ -145,8 +145,8 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str, Any]:
     """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`."""
-    models: tuple[StepModel, StepModel] = (TorchStepModel(loaded.model), OnnxSeq2Seq(directory))
-    torch_model, onnx_model = models
+    torch_model: StepModel = TorchStepModel(loaded.model)
+    onnx_model: StepModel = OnnxSeq2Seq(directory)
     rng = np.random.default_rng(0)
     worst = 0.0
     sources = [loaded.graphemes.encode(w) for w in words[:64]]
