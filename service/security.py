@@ -62,6 +62,9 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 "missing or invalid bearer token (send metadata 'authorization: Bearer TOKEN')",
             )
 
+        method = protocol.SERVICE.methods_by_name.get(details.method.rsplit("/", 1)[-1])
+        if method is not None and method.client_streaming:  # ModelStreamInfer: refused the same way
+            return grpc.stream_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
 
 

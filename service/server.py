@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -42,6 +42,7 @@ Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
 SWITCH_INTERVAL_S = 0.0005
+_END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
 
 
@@ -195,6 +196,61 @@ class InferenceService:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        outcome = await self._answer(request, context.time_remaining())
+        if isinstance(outcome, ServingError):
+            if outcome.retry_after_ms is not None:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(outcome.retry_after_ms)),))
+            # abort, not set_code and return: returning made grpc log a traceback (ExecuteBatchError)
+            # for a call whose client had already gone (seen once in the fuzz test).
+            await context.abort(grpc.StatusCode[outcome.code], outcome.message)
+        return outcome
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
+        (so they batch together), and is answered as soon as it is done: a failure as error_message, and
+        the stream goes on. The stream's deadline bounds every request on it; when the client goes, the
+        requests still queued leave their queues."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
+            outcome = await self._answer(request, context.time_remaining())
+            if isinstance(outcome, ServingError):
+                hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
+                # The request's id and model come back too, so a client can tell which request failed.
+                named = protocol.ModelInferResponse(model_name=request.model_name, id=request.id)
+                answers.put_nowait(
+                    protocol.ModelStreamInferResponse(
+                        error_message=f"{outcome.code}: {outcome.message}{hint}", infer_response=named
+                    )
+                )
+            else:
+                answers.put_nowait(protocol.ModelStreamInferResponse(infer_response=outcome))
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running)  # the client is done sending: finish what it sent
+            finally:
+                answers.put_nowait(_END_OF_STREAM)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (reply := await answers.get()) is not _END_OF_STREAM:
+                yield reply
+            await reader  # a failure to read the stream ends it with that error
+        finally:
+            for task in [reader, *running]:
+                task.cancel()
+
+    async def _answer(self, request: Any, remaining: float | None) -> Any:
+        """One inference request from start to finish, counted in the metrics and statistics: its
+        ModelInferResponse, or the ServingError to answer it with. `remaining`: seconds to its deadline."""
         start = time.perf_counter()
         model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
         server = self.server
@@ -208,7 +264,6 @@ class InferenceService:
                 raise Unavailable("the server is shutting down")
             server.active += 1
             try:
-                remaining = context.time_remaining()
                 deadline = time.monotonic() + remaining if remaining is not None else None
                 # What any request would be refused now is refused before its tensors are decoded:
                 # under overload, refusing is most of the work and must stay cheap.
@@ -227,8 +282,6 @@ class InferenceService:
             outcome = response
         except ServingError as e:
             code = e.code
-            if e.retry_after_ms is not None:
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(e.retry_after_ms)),))
             outcome = e
         except asyncio.CancelledError:
             code = "CANCELLED"
@@ -260,10 +313,6 @@ class InferenceService:
                         }
                     )
                 )
-        if isinstance(outcome, ServingError):
-            # abort, not set_code and return: returning made grpc log a traceback (ExecuteBatchError)
-            # for a call whose client had already gone (seen once in the fuzz test).
-            await context.abort(grpc.StatusCode[outcome.code], outcome.message)
         return outcome
 
     def _decode(self, request: Any) -> dict[str, np.ndarray]:

@@ -118,7 +118,8 @@ def soak(models: Path, out: Path, requests: int, concurrency: int = 16) -> dict[
 
 
 def perf_analyzer_crosscheck(binary: Path, models: Path, out: Path, seconds: float = 6.0) -> dict[str, Any]:
-    """Triton's perf_analyzer (C++) and `qkv bench` on the same server: g2p_encoder, seq 64, c32.
+    """Triton's perf_analyzer (C++) and `qkv bench` on the same server: g2p_encoder, seq 64, c32;
+    perf_analyzer both over ModelInfer and over the ModelStreamInfer stream (`--streaming`).
 
     perf_analyzer ships in the tritonclient==2.41.0 wheel; on a CPU-only machine it needs
     `apt-get install libb64-0d` and libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel) on
@@ -149,15 +150,19 @@ def perf_analyzer_crosscheck(binary: Path, models: Path, out: Path, seconds: flo
             "--measurement-interval",
             str(int(seconds * 1000)),
         ]
-        text = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
-        (out / "perf_analyzer.txt").write_text(text)
-        found = re.search(r"Concurrency: 32, throughput: ([\d.]+) infer/sec", text)
+        rps: dict[str, float | None] = {}  # infer/s perf_analyzer reports, by mode
+        for mode, extra in (("unary", []), ("streaming", ["--streaming"])):
+            text = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=300).stdout
+            (out / f"perf_analyzer_{mode}.txt").write_text(text)
+            found = re.search(r"Concurrency: 32, throughput: ([\d.]+) infer/sec", text)
+            rps[mode] = float(found.group(1)) if found else None
         ours = loadgen.summarise(run_closed(s.url, encoder_maker(lambda r: 64, vocab), 32, seconds, "qkv bench c32"))
     finally:
         stop_server(s)
         shutil.rmtree(scratch, ignore_errors=True)
     return {
-        "perf_analyzer_rps": float(found.group(1)) if found else None,
+        "perf_analyzer_rps": rps["unary"],
+        "perf_analyzer_streaming_rps": rps["streaming"],
         "qkv_bench_rps": ours["rps"],
         "qkv_bench_client_cpu_share": ours["client_cpu_share"],
     }

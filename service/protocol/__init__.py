@@ -53,6 +53,7 @@ __all__ = [
     "ModelStatistics",
     "ModelStatisticsRequest",
     "ModelStatisticsResponse",
+    "ModelStreamInferResponse",
     "RepositoryIndexRequest",
     "RepositoryIndexResponse",
     "ServerLiveRequest",
@@ -120,6 +121,7 @@ InferParameter = message_class("InferParameter")
 InferTensorContents = message_class("InferTensorContents")
 ModelInferRequest = message_class("ModelInferRequest")
 ModelInferResponse = message_class("ModelInferResponse")
+ModelStreamInferResponse = message_class("ModelStreamInferResponse")
 # Triton extension: model configuration (model_config.proto)
 ModelConfigRequest = message_class("ModelConfigRequest")
 ModelConfigResponse = message_class("ModelConfigResponse")
@@ -216,6 +218,7 @@ class Stub:
     ServerMetadata: Any
     ModelMetadata: Any
     ModelInfer: Any
+    ModelStreamInfer: Any
     ModelConfig: Any
     ModelStatistics: Any
     RepositoryIndex: Any

@@ -350,6 +350,44 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
     assert grew(dropped % "deadline") + grew(dropped % "cancelled") + refused_at_admission == 2
 
 
+def test_a_cancelled_stream_takes_its_queued_requests_with_it(quiet_server: RunningServer) -> None:
+    rng = np.random.default_rng(6)
+    blocker = _blocker(64, rng)
+    small = [encoder_request(16, VOCAB, rng) for _ in range(3)]
+
+    def queued() -> float:
+        return scrape(quiet_server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
+
+    async def run() -> bool:
+        big = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
+            stub = protocol.Stub(channel)
+            first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
+            await asyncio.sleep(0.1)  # computing now; nothing else moves until it is done
+            stream = stub.ModelStreamInfer(timeout=120)
+            for request in small:
+                await stream.write(request)
+            end = time.monotonic() + 30
+            while queued() != 3:
+                assert time.monotonic() < end, "the stream's requests never queued"
+                await asyncio.sleep(0.02)
+            stream.cancel()
+            while queued() != 0:  # they leave the queue while the blocker still computes
+                assert time.monotonic() < end, "the cancelled stream's requests stayed queued"
+                await asyncio.sleep(0.02)
+            still_computing = not first.done()
+            await first
+            return still_computing
+
+    with grpc.insecure_channel(quiet_server.url) as channel:
+        stub = protocol.Stub(channel)
+        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(quiet_server.metrics_url)
+        assert asyncio.run(run()), "the blocker finished early: the queue was not held"
+        assert _inference_count(stub, "g2p_encoder") - before == 64  # the blocker's rows, none of the stream's
+    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="cancelled"}'
+    assert scrape(quiet_server.metrics_url).get(dropped, 0) - counters_before.get(dropped, 0) == 3
+
+
 def _thread_nices(pid: int) -> dict[int, int]:
     """Each thread's nice value, from /proc (field 19 of a task's stat)."""
     nices = {}

@@ -129,6 +129,12 @@ def test_inference_needs_a_valid_bearer_token(token_server: RunningServer) -> No
         for token in TOKENS:  # each line of the file is a token; surrounding spaces do not count
             reply = stub.ModelInfer(request, timeout=10, metadata=[("authorization", f"Bearer {token}")])
             assert reply.outputs[0].name == "PHONEMES" and reply.raw_output_contents[0]
+        # the streaming RPC too, refused as a stream
+        stream = stub.ModelStreamInfer(iter([request]), timeout=10)
+        assert code_of(lambda: list(stream)) == grpc.StatusCode.UNAUTHENTICATED
+        good = [("authorization", f"Bearer {TOKENS[1]}")]
+        (answer,) = stub.ModelStreamInfer(iter([request]), timeout=10, metadata=good)
+        assert not answer.error_message and answer.infer_response.outputs[0].name == "PHONEMES"
 
 
 def test_health_stays_open_without_a_token(token_server: RunningServer) -> None:

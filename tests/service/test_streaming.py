@@ -1,0 +1,85 @@
+"""Triton's ModelStreamInfer on a real server: every request on a stream is answered, with what it gets
+alone (matched by id), a bad one with its error while the stream goes on, and the stream's requests
+batch together."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as g
+
+from service import protocol
+from service.loadgen import encoder_request, g2p_word_request
+from tests.conftest import RunningServer
+from tests.service.test_protocol import encoder_inputs, text_input
+
+
+def test_tritonclient_stream_answers_each_request_as_it_gets_alone(server: RunningServer) -> None:
+    rng = np.random.default_rng(0)
+    sent: dict[str, tuple[str, list[g.InferInput]]] = {}
+    for i, word in enumerate(["attention", "is", "all", "you", "need"]):
+        sent[f"w{i}"] = ("g2p", [text_input([word])])
+    for i, length in enumerate([3, 17, 40, 9]):
+        sent[f"e{i}"] = ("g2p_encoder", encoder_inputs(rng.integers(4, 33, (1, length)).astype(np.int64)))
+    bad = g.InferInput("TEXT", [1], "BYTES")
+    bad.set_data_from_numpy(np.array(["naïve".encode()], dtype=object))
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = g.InferenceServerClient(server.url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        ids = list(sent)
+        for rid in ids[:4]:
+            client.async_stream_infer(sent[rid][0], sent[rid][1], request_id=rid)
+        client.async_stream_infer("g2p", [bad], request_id="bad")
+        for rid in ids[4:]:  # after the failure: the stream goes on
+            client.async_stream_infer(sent[rid][0], sent[rid][1], request_id=rid)
+        got = [answers.get(timeout=30) for _ in range(len(sent) + 1)]
+    finally:
+        client.stop_stream()
+    errors = [e for r, e in got if e is not None]
+    assert len(errors) == 1 and "INVALID_ARGUMENT" in str(errors[0]) and "'TEXT'" in str(errors[0])
+    results = {r.get_response().id: r for r, e in got if e is None}
+    assert sorted(results) == sorted(sent)
+    for rid, (model, inputs) in sent.items():
+        alone = client.infer(model, inputs)
+        name = "PHONEMES" if model == "g2p" else "last_hidden_state"
+        streamed, expected = results[rid].as_numpy(name), alone.as_numpy(name)
+        if model == "g2p":
+            assert (streamed == expected).all(), rid
+        else:
+            np.testing.assert_allclose(streamed, expected, atol=1e-5, err_msg=rid)
+
+
+def _statistics(stub: Any, model: str) -> tuple[int, int]:
+    stats = stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=10).model_stats[0]
+    return stats.inference_count, stats.execution_count
+
+
+def test_one_streams_requests_run_together(server: RunningServer) -> None:
+    """Requests sent back to back on one stream are in flight at once, so they share batches:
+    fewer runs than requests. (Answered one at a time, every request would be a run of its own.)"""
+    rng = np.random.default_rng(1)
+    requests = [encoder_request(64, 33, rng) for _ in range(48)]
+    for i, r in enumerate(requests):
+        r.id = str(i)
+    with grpc.insecure_channel(server.url) as channel:
+        stub = protocol.Stub(channel)
+        before = _statistics(stub, "g2p_encoder")
+        answers = list(stub.ModelStreamInfer(iter(requests), timeout=60))
+        after = _statistics(stub, "g2p_encoder")
+    assert sorted(int(a.infer_response.id) for a in answers) == list(range(48))
+    assert not any(a.error_message for a in answers)
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 48 and executions < inferences, (inferences, executions)
+
+
+def test_an_unknown_model_on_a_stream_is_an_error_message(server: RunningServer) -> None:
+    request = g2p_word_request("hello", model="nope")
+    request.id = "x"
+    with grpc.insecure_channel(server.url) as channel:
+        (answer,) = protocol.Stub(channel).ModelStreamInfer(iter([request]), timeout=10)
+    assert answer.error_message.startswith("NOT_FOUND: unknown model 'nope'")
+    assert (answer.infer_response.id, answer.infer_response.model_name) == ("x", "nope")  # which request failed
