@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -229,13 +230,20 @@ class InferenceService:
             else:
                 answers.put_nowait(protocol.ModelStreamInferResponse(infer_response=outcome))
 
-        async def read() -> None:
+        async def read() -> str | None:
+            """Start each request as it arrives; when the client is done sending, finish what it sent.
+            Returns why the stream broke off (a message that is not a ModelInferRequest), or None."""
+            broken = None
             try:
-                async for request in requests:
-                    task = asyncio.create_task(answer(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                await asyncio.gather(*running)  # the client is done sending: finish what it sent
+                try:
+                    async for request in requests:
+                        task = asyncio.create_task(answer(request))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                except DecodeError as e:  # the requests read before it are still answered
+                    broken = f"a message on the stream is not a ModelInferRequest: {e}"
+                await asyncio.gather(*running)
+                return broken
             finally:
                 answers.put_nowait(_END_OF_STREAM)
 
@@ -243,7 +251,9 @@ class InferenceService:
         try:
             while (reply := await answers.get()) is not _END_OF_STREAM:
                 yield reply
-            await reader  # a failure to read the stream ends it with that error
+            broken = await reader
+            if broken:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, broken)
         finally:
             for task in [reader, *running]:
                 task.cancel()

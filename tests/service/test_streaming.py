@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 import tritonclient.grpc as g
 
 from service import protocol
@@ -83,3 +84,18 @@ def test_an_unknown_model_on_a_stream_is_an_error_message(server: RunningServer)
         (answer,) = protocol.Stub(channel).ModelStreamInfer(iter([request]), timeout=10)
     assert answer.error_message.startswith("NOT_FOUND: unknown model 'nope'")
     assert (answer.infer_response.id, answer.infer_response.model_name) == ("x", "nope")  # which request failed
+
+
+def test_a_message_that_is_not_a_request_ends_the_stream_after_what_came_before(server: RunningServer) -> None:
+    good = g2p_word_request("hello")
+    good.id = "before"
+    with grpc.insecure_channel(server.url) as channel:
+        raw = channel.stream_stream(f"/{protocol.SERVICE_NAME}/ModelStreamInfer")
+        replies = raw(iter([good.SerializeToString(), b"\xff\xff not a request"]), timeout=10)
+        first = protocol.ModelStreamInferResponse.FromString(next(replies))
+        assert first.infer_response.id == "before" and not first.error_message
+        with pytest.raises(grpc.RpcError) as ended:
+            next(replies)
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ModelInferRequest" in ended.value.details()
+        assert protocol.Stub(channel).ModelInfer(good, timeout=10).outputs  # the server serves on
