@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -235,13 +234,13 @@ class InferenceService:
             Returns why the stream broke off (a message that is not a ModelInferRequest), or None."""
             broken = None
             try:
-                try:
-                    async for request in requests:
-                        task = asyncio.create_task(answer(request))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                except DecodeError as e:  # the requests read before it are still answered
-                    broken = f"a message on the stream is not a ModelInferRequest: {e}"
+                async for request in requests:
+                    if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
+                        broken = f"a message on the stream: {request.reason}"
+                        break
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
                 await asyncio.gather(*running)
                 return broken
             finally:

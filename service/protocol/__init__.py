@@ -15,6 +15,7 @@ server, its tests and tritonclient share one process.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable
 from functools import cache
 from importlib import resources
@@ -23,7 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, MethodDescriptor, ServiceDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -64,6 +65,7 @@ __all__ = [
     "ServerReadyResponse",
     "StatisticDuration",
     "Stub",
+    "Undecodable",
     "generic_handler",
     "message_class",
     "method_handlers",
@@ -179,11 +181,50 @@ def _classes(method: MethodDescriptor) -> tuple[type[Message], type[Message]]:
     return request, response
 
 
+class Undecodable:
+    """A request body that does not parse as the RPC's message. The server's handlers get this in its
+    place: left to gRPC, the parse error would be answered UNKNOWN, with a traceback in the log."""
+
+    def __init__(self, message: str, error: DecodeError) -> None:
+        self.reason = f"the request is not a valid {message}: {error}"
+
+
+def _lenient(request: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def deserialize(data: bytes) -> Message | Undecodable:
+        try:
+            return request.FromString(data)
+        except DecodeError as e:
+            return Undecodable(request.DESCRIPTOR.name, e)
+
+    return deserialize
+
+
+def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """`behaviour` for a one-request RPC, with an undecodable request answered INVALID_ARGUMENT."""
+    if inspect.iscoroutinefunction(behaviour):
+
+        async def guarded(request: Any, context: Any) -> Any:
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return await behaviour(request, context)
+
+        return guarded
+
+    def guarded_sync(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return behaviour(request, context)
+
+    return guarded_sync
+
+
 def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the RPCs ``implementation`` has a method for, keyed by RPC name (``"ModelInfer"``).
 
     ``implementation.ModelInfer(request, context)`` receives and returns our message classes; it
     may be ``async`` (grpc.aio). RPCs it lacks are left out, so gRPC answers them UNIMPLEMENTED.
+    A request that does not parse is answered INVALID_ARGUMENT before the method runs; on a
+    client stream it arrives as an ``Undecodable``, for the method to refuse.
     For ``server.add_registered_method_handlers(SERVICE_NAME, ...)``.
     """
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -194,8 +235,8 @@ def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
         request, response = _classes(method)
         make_handler = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make_handler(
-            behaviour,
-            request_deserializer=request.FromString,
+            behaviour if method.client_streaming else _refusing_undecodable(behaviour),
+            request_deserializer=_lenient(request),
             response_serializer=response.SerializeToString,
         )
     return handlers

@@ -235,6 +235,16 @@ def test_raw_contents_of_the_wrong_size(server: RunningServer) -> None:
     assert "attention_mask" in e.value.details() and "31 bytes" in e.value.details()
 
 
+@pytest.mark.parametrize("method", ["ModelInfer", "ModelMetadata", "ServerLive"])
+def test_a_body_that_is_not_the_request_message_is_invalid_argument(server: RunningServer, method: str) -> None:
+    with grpc.insecure_channel(server.url) as ch:
+        raw = ch.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\xff\xff not a protobuf message", timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"not a valid {method}Request" in e.value.details()
+
+
 def test_text_normalisation() -> None:
     from service.models import normalize_word
 

@@ -97,5 +97,5 @@ def test_a_message_that_is_not_a_request_ends_the_stream_after_what_came_before(
         with pytest.raises(grpc.RpcError) as ended:
             next(replies)
         assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a ModelInferRequest" in ended.value.details()
+        assert "not a valid ModelInferRequest" in ended.value.details()
         assert protocol.Stub(channel).ModelInfer(good, timeout=10).outputs  # the server serves on
