@@ -36,6 +36,7 @@ OUTPUT_NAMES = ["PHONEMES", "ATTENTION", "last_hidden_state", "y", "nope", ""]
 HUGE = [2**31, 2**32 + 1, 2**40, 2**62, 2**63 - 1]
 WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz'-.", min_size=1, max_size=12)
 SEEN: Counter[str] = Counter()
+BIG_AND_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]  # real requests
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +232,7 @@ def test_every_request_gets_a_designed_status_and_the_server_survives(fuzz_serve
         max_examples=1500,
         deadline=None,
         database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+        suppress_health_check=BIG_AND_SLOW,
     )
     @given(request=requests, short=st.integers(0, 19))
     def check(request: object, short: int) -> None:
@@ -263,6 +264,42 @@ def test_every_request_gets_a_designed_status_and_the_server_survives(fuzz_serve
     print(f"\nfuzz: {total} requests, codes {dict(SEEN)}, slowest answer {slowest[0] * 1e3:.0f} ms")
     assert total >= 300
     assert SEEN["OK"] > 0 and SEEN["INVALID_ARGUMENT"] > 0 and SEEN["NOT_FOUND"] > 0  # the mix reached every path
+
+
+def test_every_request_on_a_stream_is_answered_once_with_a_designed_status(fuzz_server: RunningServer) -> None:
+    """The same requests, a few at a time on one ModelStreamInfer stream: one answer each, found by id,
+    an OK response or an error_message that starts with a designed status; the stream never breaks."""
+    channel = grpc.insecure_channel(fuzz_server.url)
+    stub = protocol.Stub(channel)
+    codes: Counter[str] = Counter()
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=BIG_AND_SLOW)
+    @given(batch=st.lists(requests, min_size=1, max_size=12))
+    def check(batch: list[object]) -> None:
+        sent = []
+        for i, request in enumerate(batch):
+            copy = protocol.ModelInferRequest()
+            copy.CopyFrom(request)  # type: ignore[arg-type]
+            copy.id = str(i)
+            sent.append(copy)
+        answers = list(stub.ModelStreamInfer(iter(sent), timeout=TIMEOUT * 3))
+        assert sorted(int(a.infer_response.id) for a in answers) == list(range(len(sent)))
+        for a in answers:
+            code = a.error_message.split(":", 1)[0] if a.error_message else "OK"
+            codes[code] += 1
+            assert code in ALLOWED - {"DEADLINE_EXCEEDED"}, f"{a.error_message}\n{sent[int(a.infer_response.id)]}"
+            if code == "OK":
+                assert len(a.infer_response.outputs) == len(a.infer_response.raw_output_contents) >= 1
+
+    try:
+        check()
+        assert fuzz_server.process.poll() is None
+        log = fuzz_server.output()
+        assert "Traceback" not in log and "failed on this batch" not in log, log[-3000:]
+    finally:
+        channel.close()
+    print(f"\nstream fuzz: {sum(codes.values())} requests, codes {dict(codes)}")
+    assert codes["OK"] > 0 and codes["INVALID_ARGUMENT"] > 0
 
 
 def test_the_strategies_build_valid_protobuf(tmp_path: Path) -> None:
