@@ -42,6 +42,7 @@ Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
 SWITCH_INTERVAL_S = 0.0005
+STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
 
@@ -214,6 +215,8 @@ class InferenceService:
         requests still queued leave their queues."""
         answers: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        # Requests read but not yet answered to the client: a client that stops reading stops being read.
+        window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def answer(request: Any) -> None:
             outcome = await self._answer(request, context.time_remaining())
@@ -238,6 +241,7 @@ class InferenceService:
                     if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
                         broken = f"a message on the stream: {request.reason}"
                         break
+                    await window.acquire()
                     task = asyncio.create_task(answer(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -250,6 +254,7 @@ class InferenceService:
         try:
             while (reply := await answers.get()) is not _END_OF_STREAM:
                 yield reply
+                window.release()
             broken = await reader
             if broken:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, broken)

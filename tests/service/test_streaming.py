@@ -5,6 +5,7 @@ batch together."""
 from __future__ import annotations
 
 import queue
+import time
 from typing import Any
 
 import grpc
@@ -99,3 +100,34 @@ def test_a_message_that_is_not_a_request_ends_the_stream_after_what_came_before(
         assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid ModelInferRequest" in ended.value.details()
         assert protocol.Stub(channel).ModelInfer(good, timeout=10).outputs  # the server serves on
+
+
+def test_a_client_that_stops_reading_stops_being_read(server: RunningServer) -> None:
+    """Requests past the stream's window wait in the transport, not in the server's memory, until the
+    client reads its answers; then every one is answered."""
+    from service.server import STREAM_WINDOW
+
+    rng = np.random.default_rng(2)
+    n = STREAM_WINDOW + 200  # within the queue limits (32768 tokens): none is refused
+    requests = [encoder_request(64, 33, rng) for _ in range(n)]  # 49 KB answers: the transport fills fast
+    for i, r in enumerate(requests):
+        r.id = str(i)
+
+    def answered() -> int:
+        with grpc.insecure_channel(server.url) as channel:
+            return _statistics(protocol.Stub(channel), "g2p_encoder")[0]
+
+    big = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(server.url, options=big) as channel:
+        before = answered()
+        replies = protocol.Stub(channel).ModelStreamInfer(iter(requests), timeout=120)
+        first = next(replies)  # the stream is open and flowing; now stop reading
+        plateau, end = -1, time.monotonic() + 60
+        while (done := answered() - before) != plateau:  # until the server stops taking requests
+            assert time.monotonic() < end, "the server never stopped reading the stream"
+            plateau = done
+            time.sleep(1.0)
+        assert plateau < n, f"all {n} requests were taken from a client that read one answer"
+        rest = list(replies)
+    assert sorted(int(a.infer_response.id) for a in [first, *rest]) == list(range(n))
+    assert not [a.error_message for a in [first, *rest] if a.error_message][:3]
