@@ -1,10 +1,13 @@
-"""What the scheduler tests share: an observer that records, and a wait for a condition."""
+"""What the queueing tests share: an observer that records, a wait for a condition, and a model's
+served statistics."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Any
+
+from service import protocol
 
 
 class Recorder:
@@ -29,3 +32,8 @@ async def until(condition: Any, timeout: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < end, "condition not reached"
         await asyncio.sleep(0.001)
+
+
+def model_stats(stub: Any, model: str) -> Any:
+    """The server's ModelStatistics entry for `model` (`stub`: a `protocol.Stub`)."""
+    return stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=5).model_stats[0]

@@ -33,7 +33,7 @@ from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
-from tests.service.queue_helpers import Recorder, until
+from tests.service.queue_helpers import Recorder, model_stats, until
 
 VOCAB = 33  # g2p_encoder's input vocabulary
 NICE = ServerSettings().compute_nice  # the default --compute-nice
@@ -250,12 +250,13 @@ def _blocker(rows: int, rng: np.random.Generator) -> Any:
     return request
 
 
-def _stats(stub: Any, model: str) -> Any:
-    return stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=5).model_stats[0]
-
-
 def _inference_count(stub: Any, model: str) -> int:
-    return int(_stats(stub, model).inference_count)
+    return int(model_stats(stub, model).inference_count)
+
+
+def _queued(server: RunningServer) -> float:
+    """Requests waiting in g2p_encoder's queue, from the server's metrics."""
+    return scrape(server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
 
 
 def _outputs(response: Any) -> np.ndarray:
@@ -276,9 +277,9 @@ def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server:
             return await asyncio.gather(*[stub.ModelInfer(r, timeout=60) for r in requests])
 
     with grpc.insecure_channel(quiet_server.url) as channel:
-        stats_before = _stats(protocol.Stub(channel), "g2p_encoder")
+        stats_before = model_stats(protocol.Stub(channel), "g2p_encoder")
         responses = asyncio.run(send_all())
-        stats = _stats(protocol.Stub(channel), "g2p_encoder")
+        stats = model_stats(protocol.Stub(channel), "g2p_encoder")
     for n, request, response in zip(lengths, requests, responses, strict=True):
         ids = np.frombuffer(request.raw_input_contents[0], dtype=np.int64).reshape(1, n)
         (expected,) = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
@@ -295,12 +296,9 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
     blocker = _blocker(64, rng)  # about four seconds on the one instance
     small = encoder_request(16, VOCAB, rng)
 
-    def queued() -> float:
-        return scrape(quiet_server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
-
     async def until_queued(n: float) -> None:
         end = time.monotonic() + 30
-        while queued() != n:
+        while _queued(quiet_server) != n:
             assert time.monotonic() < end, f"the queue never held {n} requests"
             await asyncio.sleep(0.02)
 
@@ -316,7 +314,7 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
             # server ever saw it), far shorter than the blocker.
             expired = asyncio.ensure_future(stub.ModelInfer(small, timeout=1.0))
             end = time.monotonic() + 30
-            while queued() != 4 and not expired.done():  # queued, or refused at admission
+            while _queued(quiet_server) != 4 and not expired.done():  # queued, or refused at admission
                 assert time.monotonic() < end, "the expiring request never reached the server"
                 await asyncio.sleep(0.02)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -355,9 +353,6 @@ def test_a_cancelled_stream_takes_its_queued_requests_with_it(quiet_server: Runn
     blocker = _blocker(64, rng)
     small = [encoder_request(16, VOCAB, rng) for _ in range(3)]
 
-    def queued() -> float:
-        return scrape(quiet_server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
-
     async def run() -> bool:
         big = [("grpc.max_receive_message_length", 64 << 20)]
         async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
@@ -368,11 +363,11 @@ def test_a_cancelled_stream_takes_its_queued_requests_with_it(quiet_server: Runn
             for request in small:
                 await stream.write(request)
             end = time.monotonic() + 30
-            while queued() != 3:
+            while _queued(quiet_server) != 3:
                 assert time.monotonic() < end, "the stream's requests never queued"
                 await asyncio.sleep(0.02)
             stream.cancel()
-            while queued() != 0:  # they leave the queue while the blocker still computes
+            while _queued(quiet_server) != 0:  # they leave the queue while the blocker still computes
                 assert time.monotonic() < end, "the cancelled stream's requests stayed queued"
                 await asyncio.sleep(0.02)
             still_computing = not first.done()

@@ -16,6 +16,7 @@ import tritonclient.grpc as g
 from service import protocol
 from service.loadgen import encoder_request, g2p_word_request
 from tests.conftest import RunningServer
+from tests.service.queue_helpers import model_stats
 from tests.service.test_protocol import encoder_inputs, text_input
 
 
@@ -56,7 +57,7 @@ def test_tritonclient_stream_answers_each_request_as_it_gets_alone(server: Runni
 
 
 def _statistics(stub: Any, model: str) -> tuple[int, int]:
-    stats = stub.ModelStatistics(protocol.ModelStatisticsRequest(name=model), timeout=10).model_stats[0]
+    stats = model_stats(stub, model)
     return stats.inference_count, stats.execution_count
 
 
