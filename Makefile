@@ -10,7 +10,7 @@ serve: $(VENV)/.installed
 	$(BIN)/qkv serve
 
 test: $(VENV)/.dev tools
-	$(BIN)/python -m pytest
+	tests/deploy/docker_engine.sh $(BIN)/python -m pytest
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export
@@ -25,11 +25,13 @@ $(VENV)/.dev: pyproject.toml
 	$(PIP) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
-# Prometheus (promtool) and docker-compose from Debian, for the observability and deploy tests.
+# From Debian, for the observability and deploy tests: Prometheus (promtool), and a Docker engine with
+# docker-compose and debootstrap (the compose tests build offline stand-ins of the base images).
 tools:
-	@command -v promtool >/dev/null && command -v docker-compose >/dev/null || { \
+	@command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v dockerd >/dev/null \
+	  && command -v debootstrap >/dev/null || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io docker-compose debootstrap; \
 	  /etc/init.d/prometheus stop >/dev/null 2>&1 || true; }
 
 train: $(VENV)/.dev

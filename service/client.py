@@ -11,6 +11,7 @@ RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's dea
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -72,10 +73,13 @@ def _metadata(token: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {token}")] if token else None
 
 
-def _channel_args(target: str, ssl: grpc.ChannelCredentials | None) -> dict[str, Any]:
-    return {"target": target, "options": [("grpc.max_receive_message_length", 64 << 20)]} | (
-        {"credentials": ssl} if ssl is not None else {}
-    )
+def _channel_args(
+    target: str, ssl: grpc.ChannelCredentials | None, load_balancing: str | None = None
+) -> dict[str, Any]:
+    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64 << 20)]
+    if load_balancing:  # e.g. round_robin over every address of dns:///qkv-headless:8001
+        options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{load_balancing: {}}]})))
+    return {"target": target, "options": options} | ({"credentials": ssl} if ssl is not None else {})
 
 
 def _backoff(attempt: int) -> float:
@@ -83,7 +87,9 @@ def _backoff(attempt: int) -> float:
 
 
 class Client:
-    """Blocking client. `timeout` is each call's deadline in seconds, retries included."""
+    """Blocking client. `timeout` is each call's deadline in seconds, retries included.
+    `load_balancing="round_robin"` spreads calls over every address the target resolves to
+    (gRPC's default, pick_first, sends them all to one)."""
 
     def __init__(
         self,
@@ -91,8 +97,9 @@ class Client:
         timeout: float = 10.0,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        load_balancing: str | None = None,
     ) -> None:
-        args = _channel_args(target, credentials)
+        args = _channel_args(target, credentials, load_balancing)
         self.channel = grpc.secure_channel(**args) if credentials else grpc.insecure_channel(**args)
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)
@@ -140,8 +147,9 @@ class AsyncClient:
         timeout: float = 10.0,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        load_balancing: str | None = None,
     ) -> None:
-        args = _channel_args(target, credentials)
+        args = _channel_args(target, credentials, load_balancing)
         self.channel = grpc.aio.secure_channel(**args) if credentials else grpc.aio.insecure_channel(**args)
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)

@@ -1,7 +1,8 @@
 """Dockerfiles, .dockerignore and build.sh, checked without a Docker engine.
 
-No engine runs here (and hadolint is not available), so the Dockerfiles are parsed and held
-to the rules that matter; build.sh runs against a stand-in `docker` that records its call.
+The Dockerfiles are parsed and held to the rules that matter (hadolint is not available), and
+build.sh (buildx, which the Debian engine lacks) runs against a stand-in `docker` that records
+its call. test_deploy_stack.py builds and runs the CPU image for real.
 """
 
 from __future__ import annotations
