@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidArgument
+from service.errors import InvalidArgument, quote
 
 __all__ = [
     "MAX_DIMS",
@@ -88,15 +88,17 @@ def decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
     out, offset = [], 0
     for _ in range(count):
         if offset + 4 > len(raw):
-            raise InvalidArgument(f"input '{name}': raw BYTES contents end inside an element's length prefix")
+            raise InvalidArgument(f"input {quote(name)}: raw BYTES contents end inside an element's length prefix")
         (n,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + n > len(raw):
-            raise InvalidArgument(f"input '{name}': raw BYTES element of {n} bytes runs past the end of the contents")
+            raise InvalidArgument(
+                f"input {quote(name)}: raw BYTES element of {n} bytes runs past the end of the contents"
+            )
         out.append(raw[offset : offset + n])
         offset += n
     if offset != len(raw):
-        raise InvalidArgument(f"input '{name}': {len(raw) - offset} bytes left over after {count} BYTES elements")
+        raise InvalidArgument(f"input {quote(name)}: {len(raw) - offset} bytes left over after {count} BYTES elements")
     return np.array(out, dtype=np.object_)
 
 
@@ -112,12 +114,12 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
     """One InferInputTensor (and its raw contents, if any) -> numpy array of its declared shape."""
     name, datatype = tensor.name, tensor.datatype
     if datatype not in NUMPY_DTYPES:
-        raise InvalidArgument(f"input '{name}': unknown datatype '{datatype}'")
+        raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
     shape = tuple(int(d) for d in tensor.shape)
     if len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, the limit is {MAX_DIMS}")
+        raise InvalidArgument(f"input {quote(name)}: shape has {len(shape)} dimensions, the limit is {MAX_DIMS}")
     if any(d < 0 for d in shape):
-        raise InvalidArgument(f"input '{name}': negative dimension in shape {list(shape)}")
+        raise InvalidArgument(f"input {quote(name)}: negative dimension in shape {list(shape)}")
     # Checked before anything is allocated; zeros aside, so [0, 2**62] is refused too (numpy could not hold it).
     count, extent = 1, 1
     for d in shape:
@@ -126,30 +128,30 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
         if extent > max_elements:
             aside = " (zero dimensions aside)" if 0 in shape else ""
             raise InvalidArgument(
-                f"input '{name}': shape {list(shape)} exceeds the limit of {max_elements} elements{aside}"
+                f"input {quote(name)}: shape {list(shape)} exceeds the limit of {max_elements} elements{aside}"
             )
     if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
         # Decoding BYTES is a Python loop per element: bound it before it can hold the event loop.
-        raise InvalidArgument(f"input '{name}': {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
+        raise InvalidArgument(f"input {quote(name)}: {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
     if raw is not None:
         if tensor.HasField("contents"):
-            raise InvalidArgument(f"input '{name}': both typed contents and raw_input_contents given")
+            raise InvalidArgument(f"input {quote(name)}: both typed contents and raw_input_contents given")
         if datatype == "BYTES":
             return decode_bytes(raw, count, name).reshape(shape)
         dtype = np.dtype(NUMPY_DTYPES[datatype]).newbyteorder("<")
         if len(raw) != count * dtype.itemsize:
             raise InvalidArgument(
-                f"input '{name}': raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
+                f"input {quote(name)}: raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
                 f"{count * dtype.itemsize}"
             )
         return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
     field = CONTENTS_FIELD.get(datatype)
     if field is None:
-        raise InvalidArgument(f"input '{name}': {datatype} travels only in raw_input_contents")
+        raise InvalidArgument(f"input {quote(name)}: {datatype} travels only in raw_input_contents")
     values = getattr(tensor.contents, field)
     if len(values) != count:
         raise InvalidArgument(
-            f"input '{name}': {len(values)} values in contents.{field}, shape {list(shape)} needs {count}"
+            f"input {quote(name)}: {len(values)} values in contents.{field}, shape {list(shape)} needs {count}"
         )
     if datatype == "BYTES":
         return np.array(list(values), dtype=np.object_).reshape(shape)
@@ -160,7 +162,7 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
             bad = int(wide.min()) if wide.min() < info.min else int(wide.max())
             raise InvalidArgument(
-                f"input '{name}': value {bad} in contents.{field} is outside {datatype} [{info.min}, {info.max}]"
+                f"input {quote(name)}: value {bad} in contents.{field} is outside {datatype} [{info.min}, {info.max}]"
             )
         return wide.astype(dtype).reshape(shape)
     return np.asarray(values, dtype=dtype).reshape(shape)

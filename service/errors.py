@@ -1,11 +1,16 @@
-"""Errors of the data plane, each carrying the gRPC status name it maps to (DESIGN.md, "Errors").
+"""Errors of the data plane, each carrying the gRPC status name it maps to (docs/design.md, "Errors").
 
 The batcher and runtime raise these without knowing gRPC; the server turns `code` into a status.
+A message travels in the call's trailing metadata, which gRPC limits (8 KiB by default), so what a
+client sent is quoted through `quote` (a short, escaped prefix and the whole length), and no message
+exceeds MAX_MESSAGE_BYTES whatever it holds.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
+    "QUOTE_CHARS",
     "Cancelled",
     "DeadlineExceeded",
     "Internal",
@@ -14,13 +19,41 @@ __all__ = [
     "ResourceExhausted",
     "ServingError",
     "Unavailable",
+    "clip",
+    "quote",
 ]
+
+QUOTE_CHARS = 64  # of a client's string, at most this many characters appear in a message
+MAX_MESSAGE_BYTES = 1024  # UTF-8; percent-encoded in the trailers, at most 3 KiB there
+
+
+def _escaped(value: str) -> str:
+    """Printable characters as they are, the others escaped (a newline as \\n): one line always."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
+def clip(value: str, limit: int = QUOTE_CHARS) -> str:
+    """A client's string for a log line: escaped, and cut after `limit` characters with the whole
+    length said: abc… (100,000 characters)."""
+    if len(value) <= limit:
+        return _escaped(value)
+    return f"{_escaped(value[:limit])}… ({len(value):,} characters)"
+
+
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """A client's string as an error message quotes it: 'abc', or 'abc…' (100,000 characters)."""
+    if len(value) <= limit:
+        return f"'{_escaped(value)}'"
+    return f"'{_escaped(value[:limit])}…' ({len(value):,} characters)"
 
 
 class ServingError(Exception):
     code = "INTERNAL"
 
     def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        encoded = message.encode()
+        if len(encoded) > MAX_MESSAGE_BYTES:  # a bound for every message, whatever it quotes
+            message = encoded[: MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "…"
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms  # sent as grpc-retry-pushback-ms when set

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md, "Metrics"): every name, label and bucket in one place.
+"""Prometheus metrics (docs/design.md, "Metrics"): every name, label and bucket in one place.
 
 Buckets: request and queue latency span 0.25 ms to 10 s (sub-millisecond tensor calls to
 multi-second overloaded g2p requests), compute 0.1 ms to 5 s; batch sizes are powers of two up to
@@ -11,9 +11,12 @@ import bisect
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["SEQ_LEN_BUCKETS", "Metrics", "ModelObserver", "seq_len_bucket"]
+__all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "seq_len_bucket"]
 
 SEQ_LEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+# Every label value comes from a fixed set: a model label names a model of the repository, and
+# requests for any other name are counted under this one value (no series per name a client invents).
+UNKNOWN_MODEL = "unknown"
 LATENCY_BUCKETS = (
     0.00025,
     0.0005,

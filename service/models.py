@@ -20,7 +20,7 @@ import numpy as np
 from service.admission import WorkItem
 from service.batching import DynamicBatcher
 from service.codec import NUMPY_DTYPES, datatype_of
-from service.errors import InvalidArgument
+from service.errors import InvalidArgument, quote
 from service.generation import Hypothesis
 from service.metrics import ModelObserver
 from service.repository import ModelConfig
@@ -68,7 +68,7 @@ def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model
     known = {s.name for s in specs}
     unknown = sorted(set(inputs) - known)
     if unknown:
-        raise InvalidArgument(f"model '{model}' has no input '{unknown[0]}' (inputs: {', '.join(sorted(known))})")
+        raise InvalidArgument(f"model '{model}' has no input {quote(unknown[0])} (inputs: {', '.join(sorted(known))})")
     for s in specs:
         if s.name not in inputs:
             raise InvalidArgument(f"model '{model}': missing input '{s.name}'")
@@ -193,7 +193,7 @@ class TensorModel:
         names = [o.name for o in self.outputs]
         for o in outputs:
             if o not in names:
-                raise InvalidArgument(f"model '{self.name}' has no output '{o}' (outputs: {', '.join(names)})")
+                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
         rows = {a.shape[0] for a in feeds.values()} if self.batchable else {1}
         if len(rows) > 1:
             raise InvalidArgument(f"inputs disagree on the batch size (axis 0): {sorted(rows)}")
@@ -352,7 +352,8 @@ class G2PModel:
     def _int_param(self, params: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
         value = params.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgument(f"parameter '{name}' must be an integer, got {value!r}")
+            got = quote(value) if isinstance(value, str) else repr(value)
+            raise InvalidArgument(f"parameter '{name}' must be an integer, got {got}")
         if not low <= value <= high:
             raise InvalidArgument(f"parameter '{name}' must be in [{low}, {high}], got {value}")
         return value
@@ -362,7 +363,7 @@ class G2PModel:
     ) -> Result:
         unknown = sorted(set(inputs) - {"TEXT"})
         if unknown:
-            raise InvalidArgument(f"model '{self.name}' has no input '{unknown[0]}' (inputs: TEXT)")
+            raise InvalidArgument(f"model '{self.name}' has no input {quote(unknown[0])} (inputs: TEXT)")
         if "TEXT" not in inputs:
             raise InvalidArgument(f"model '{self.name}': missing input 'TEXT'")
         text = inputs["TEXT"]
@@ -372,7 +373,7 @@ class G2PModel:
             raise InvalidArgument("input 'TEXT' has no elements")
         for o in outputs:
             if o not in ("PHONEMES", "ATTENTION"):
-                raise InvalidArgument(f"model '{self.name}' has no output '{o}' (outputs: PHONEMES, ATTENTION)")
+                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: PHONEMES, ATTENTION)")
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
         elements = self.words(text)

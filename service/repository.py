@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from service.metrics import UNKNOWN_MODEL
+
 __all__ = ["BatchingConfig", "ModelConfig", "RepositoryError", "load_model_config", "load_repository"]
 
 KINDS = ("tensor", "g2p")
@@ -71,6 +73,11 @@ def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
 
 def load_model_config(model_dir: Path) -> ModelConfig:
     name = model_dir.name
+    if name == UNKNOWN_MODEL:
+        raise RepositoryError(
+            f"model '{name}': the name is reserved (the metrics count requests for models the server does "
+            "not have under it); rename the directory"
+        )
     versions = [p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
     if not versions:
         raise RepositoryError(f"model '{name}': no numbered version directory in {model_dir}")

@@ -23,11 +23,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, priority, protocol
+from service import __version__, logs, priority, protocol
 from service.codec import decode_tensor, fill_output
 from service.config import ServerSettings
-from service.errors import InvalidArgument, NotFound, ServingError, Unavailable
-from service.metrics import Metrics, seq_len_bucket
+from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, clip, quote
+from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
 from service.models import G2PModel, ModelStats, TensorModel
 from service.repository import RepositoryError, load_repository
 from service.runtime import G2PRuntime, TensorRuntime, choose_providers
@@ -36,7 +36,6 @@ from service.security import TokenAuth, bearer_tokens, server_credentials
 __all__ = ["Server", "load_models", "serve"]
 
 log = logging.getLogger("qkv.server")
-access = logging.getLogger("qkv.access")
 
 Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -45,6 +44,7 @@ SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
+MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
 
 
 def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
@@ -86,9 +86,9 @@ class InferenceService:
     def _model(self, name: str, version: str = "") -> Model:
         model = self.models.get(name)
         if model is None:
-            raise NotFound(f"unknown model '{name}' (served: {', '.join(sorted(self.models))})")
+            raise NotFound(f"unknown model {quote(name)} (served: {', '.join(sorted(self.models))})")
         if version and version != model.version:
-            raise NotFound(f"model '{name}' has no version '{version}' (served: {model.version})")
+            raise NotFound(f"model '{name}' has no version {quote(version)} (served: {model.version})")
         return model
 
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -223,7 +223,9 @@ class InferenceService:
             if isinstance(outcome, ServingError):
                 hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
                 # The request's id and model come back too, so a client can tell which request failed.
-                named = protocol.ModelInferResponse(model_name=request.model_name, id=request.id)
+                named = protocol.ModelInferResponse(
+                    model_name=request.model_name[:MAX_ID_CHARS], id=request.id[:MAX_ID_CHARS]
+                )
                 answers.put_nowait(
                     protocol.ModelStreamInferResponse(
                         error_message=f"{outcome.code}: {outcome.message}{hint}", infer_response=named
@@ -272,6 +274,8 @@ class InferenceService:
         metrics = server.metrics
         model: Model | None = None
         try:
+            if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
+                raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
             model = self._model(request.model_name, request.model_version)
             metrics.inflight.labels(model.name).inc()
             if server.draining:
@@ -312,21 +316,13 @@ class InferenceService:
                 else:
                     stats.fail_count += 1
                     stats.fail_ns += int(seconds * 1e9)
-            metrics.requests.labels(model_name, code).inc()
+            label = model_name if model_name in self.models else UNKNOWN_MODEL
+            metrics.requests.labels(label, code).inc()
             if code == "OK":
-                metrics.request_duration.labels(model_name, seq_len_bucket(seq_len)).observe(seconds)
-            if server.settings.access_log:
-                access.info(
-                    json.dumps(
-                        {
-                            "model": model_name,
-                            "seq_len": seq_len,
-                            "code": code,
-                            "ms": round(seconds * 1e3, 3),
-                            "id": request.id,
-                        }
-                    )
-                )
+                metrics.request_duration.labels(label, seq_len_bucket(seq_len)).observe(seconds)
+            if server.settings.access_log:  # one JSON line, whatever the client's strings hold
+                line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
+                logs.access.info(json.dumps(line | {"id": clip(request.id)}))
         return outcome
 
     def _decode(self, request: Any) -> dict[str, np.ndarray]:
@@ -336,7 +332,7 @@ class InferenceService:
         inputs: dict[str, np.ndarray] = {}
         for k, tensor in enumerate(request.inputs):
             if tensor.name in inputs:
-                raise InvalidArgument(f"input '{tensor.name}' given twice")
+                raise InvalidArgument(f"input {quote(tensor.name)} given twice")
             inputs[tensor.name] = decode_tensor(tensor, raw[k] if raw else None, MAX_ELEMENTS)
         return inputs
 
@@ -464,15 +460,7 @@ async def _serve(settings: ServerSettings) -> int:
 
 
 def serve(settings: ServerSettings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if settings.access_log:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(handler)
-        access.propagate = False
-        access.setLevel(logging.INFO)
+    logs.configure(settings.log_level, settings.access_log)
     try:
         return asyncio.run(_serve(settings))
     except RepositoryError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -17,6 +18,16 @@ MODELS = ROOT / "models"
 RunningServer = ServerProcess
 
 __all__ = ["MODELS", "ROOT", "RunningServer", "scale_model", "start_server", "stop_server"]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.figures import FIGURES
+
+    for section, figures in FIGURES.items():
+        if figures:
+            terminalreporter.section(section)
+            for name, value in figures.items():
+                terminalreporter.write_line(f"{name}: {value}")
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 60) -> ServerProcess:

@@ -22,13 +22,3 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
         path.write_text(proc.stdout, encoding="utf-8")
         out[overlay] = (path, load_yaml_all(proc.stdout))
     return out
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The compose tests' figures (image size, build and start times, requests lost), when they ran."""
-    from test_deploy_stack import FIGURES
-
-    if FIGURES:
-        terminalreporter.section("docker compose stack")
-        for name, value in FIGURES.items():
-            terminalreporter.write_line(f"{name}: {value}")

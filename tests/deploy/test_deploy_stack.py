@@ -31,11 +31,12 @@ import tritonclient.grpc as g
 from deploy_helpers import COMPOSE, PROMETHEUS, ROOT, load_yaml, ok, run, tool
 
 from tests.conftest import RunningServer
+from tests.figures import FIGURES as ALL_FIGURES
 from tests.service.test_protocol import encoder_inputs, text_input
 
 pytestmark = pytest.mark.slow
 
-FIGURES: dict[str, str] = {}  # printed in the terminal summary by tests/deploy/conftest.py
+FIGURES = ALL_FIGURES.setdefault("docker compose stack", {})  # printed in the run's summary
 WORDS = ["attention", "is", "all", "you", "need", "docker", "compose", "replica", "prometheus"]
 DRAINING = "shutting down"  # the server's UNAVAILABLE message while it drains
 NO_SERVER = ("failed to connect to all addresses", "DNS resolution failed")  # never reached a server
