@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import protocol
 from service.client import g2p_request
+from service.metrics import UNKNOWN_MODEL
 from tests.conftest import MODELS, ROOT, scale_model, start_server, stop_server
 
 
@@ -163,3 +164,14 @@ def test_device_cuda_falls_back_to_cpu_with_one_log_line(tmp_path: Path) -> None
         stop_server(s)
     lines = [x for x in s.output().splitlines() if "falling back to CPUExecutionProvider" in x]
     assert len(lines) == 1
+
+
+def test_a_model_named_like_the_unknown_label_stops_the_start(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    scale_model(repo / UNKNOWN_MODEL)
+    done = serve_exit(repo)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"qkv: model '{UNKNOWN_MODEL}': the name is reserved (the metrics count requests for models the server "
+        "does not have under it); rename the directory"
+    )
