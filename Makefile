@@ -17,7 +17,7 @@ lint: $(VENV)/.dev
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e .
+	$(PIP) -e '.[plot]'
 	touch $@
 
 $(VENV)/.dev: pyproject.toml

