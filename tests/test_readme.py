@@ -1,0 +1,71 @@
+"""The README, followed as written: every example that calls a server runs against a real one, and
+prints what the README says it prints. (`make serve` and `make test` themselves are what CI runs.)"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT, RunningServer
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+DEFAULT_URL = "127.0.0.1:8001"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.DOTALL)
+
+
+def shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, cwd=cwd, env=env)
+
+
+def test_python_examples_print_what_the_readme_says(server: RunningServer) -> None:
+    """The tritonclient example, its streaming sequel (same namespace), and the shipped client: each
+    prints what the comment beside its print says."""
+    namespace: dict[str, object] = {}
+    for code in blocks("python"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code.replace(DEFAULT_URL, server.url), namespace)  # the README's own code
+        printed = out.getvalue().splitlines()
+        expected = [m.group(1) for m in re.finditer(r"print\(.*\)\s+# (.+)", code)]
+        assert (expected or "start_stream" in code) and printed[: len(expected)] == expected, (code, printed)
+        if "start_stream" in code:  # each word's answer, no error
+            assert sorted(printed) == ["[b'AH0 T EH1 N SH AH0 N']", "[b'T R AE0 N S F AO1 R M ER0']"], printed
+
+
+def test_command_line_examples_work_against_a_server(server: RunningServer, tmp_path: Path) -> None:
+    commands = [
+        line.split("#")[0].strip()
+        for block in blocks("bash")
+        for line in block.splitlines()
+        if line.startswith(".venv/bin/qkv ")
+    ]
+    assert len(commands) >= 5, commands
+    for command in commands:
+        for one in command.split(" && "):
+            argv = one.replace(".venv/bin/qkv", f"{sys.executable} -m service.cli") + f" --url {server.url}"
+            done = shell(argv, tmp_path)
+            assert done.returncode == 0, (one, done.stderr)
+            if one.endswith("qkv infer --model g2p hello world"):
+                assert done.stdout.splitlines() == ["hello\tHH EH1 L OW0", "world\tW ER1 L D"]
+            if "--out attention.png" in one:
+                assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grpcurl_example_decodes_to_the_phonemes(server: RunningServer, tmp_path: Path) -> None:
+    [block] = [b for b in blocks("bash") if "grpcurl" in b]
+    lines = block.replace(DEFAULT_URL, server.url).splitlines()
+    listing = shell(lines[0], tmp_path)
+    assert listing.returncode == 0 and "inference.GRPCInferenceService" in listing.stdout, listing.stderr
+    pipeline = "\n".join(line for line in lines[1:] if not line.startswith("# "))
+    done = shell(pipeline, tmp_path)
+    expected = next(line[2:] for line in lines if line.startswith("# "))
+    assert done.returncode == 0 and done.stdout == expected, (done.stdout, done.stderr)
