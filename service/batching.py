@@ -21,6 +21,7 @@ from service import priority
 from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, ServingError, Unavailable
 from service.repository import BatchingConfig
+from service.tuning import CostModel, Pacing, Tuning, handoff_seconds
 
 __all__ = ["DynamicBatcher", "select_batch"]
 
@@ -106,6 +107,18 @@ class DynamicBatcher:
         self._dispatcher: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.cost: CostModel | None = None  # set by `use`: the model's measured cost, kept current
+        self.pacing = Pacing(None)  # without a cost model, a partial batch waits whenever company may come
+
+    def handoff_seconds(self) -> float:
+        """What handing a request to an instance's thread and back costs here."""
+        return handoff_seconds(self._executors[0])
+
+    def use(self, tuning: Tuning, cost: CostModel) -> None:
+        """Batch with the tuned settings, and keep the cost model current with every batch served."""
+        self.config = self.admission.config = tuning.config
+        self.cost = cost
+        self.pacing = Pacing(cost if tuning.reasons.get("max_queue_delay_ms") != "config.json" else None)
 
     def start(self) -> None:
         self._dispatcher = asyncio.create_task(self._dispatch())
@@ -115,6 +128,7 @@ class DynamicBatcher:
         if self._closed:
             raise Unavailable(f"model '{self.name}' is shutting down")
         self.admission.admit(item.tokens, item.deadline)
+        self.pacing.arrived(item.arrived)
         if self._inline(item):
             return self._run_inline(item)
         self.queue.append(item)
@@ -138,12 +152,12 @@ class DynamicBatcher:
         item.started = start = time.monotonic()
         self.observer.waited(0.0)
         try:
-            (result,) = self._compute([item], instance)
+            (result,), seconds = self._compute([item], instance)
         finally:
             self._idle.append(instance)
         if isinstance(result, BaseException):
             raise result  # a failed run says nothing about throughput
-        self._measured([item], time.monotonic() - start)
+        self._measured([item], time.monotonic() - start, seconds)
         return result
 
     def _withdraw(self, item: WorkItem) -> None:
@@ -180,6 +194,8 @@ class DynamicBatcher:
         longest = max(x.length for x in self.queue)
         if rows >= self.config.max_batch_size or rows * longest >= self.config.token_budget:
             return 0.0
+        if not self.pacing.company_soon():
+            return 0.0
         return max(0.0, self.queue[0].arrived + self.config.max_queue_delay_ms / 1e3 - time.monotonic())
 
     async def _wait(self, seconds: float | None = None) -> None:
@@ -211,11 +227,11 @@ class DynamicBatcher:
             self.observer.waited(start - x.arrived)
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
+            results, seconds = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
         finally:
             self._idle.append(instance)
             self._changed.set()
-        self._measured(items, time.monotonic() - start)
+        self._measured(items, time.monotonic() - start, seconds)
         for x, r in zip(items, results, strict=True):
             if x.future.done():
                 continue
@@ -224,21 +240,26 @@ class DynamicBatcher:
             else:
                 x.future.set_result(r)
 
-    def _compute(self, items: list[WorkItem], instance: int) -> list[Any]:
-        """`run_batch`, a failure turned into each request's error: a runtime failure fails this batch only."""
+    def _compute(self, items: list[WorkItem], instance: int) -> tuple[list[Any], float]:
+        """`run_batch` and its seconds on this thread, a failure turned into each request's error: a runtime
+        failure fails this batch only (and its time, 0, is not a measurement)."""
+        t0 = time.perf_counter()
         try:
-            return self.run_batch(items, instance)
+            return self.run_batch(items, instance), time.perf_counter() - t0
         except ServingError as e:
-            return [e] * len(items)
+            return [e] * len(items), 0.0
         except Exception as e:
             log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
-            return [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
+            return [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items), 0.0
 
-    def _measured(self, items: list[WorkItem], seconds: float) -> None:
+    def _measured(self, items: list[WorkItem], seconds: float, compute: float) -> None:
+        """`seconds` from dispatch to results (throughput, metrics); `compute` on the instance's thread."""
         real = sum(x.tokens for x in items)
         padded = sum(x.rows for x in items) * max(x.length for x in items)
         self.admission.measured(real, seconds, saturated=bool(self.queue))
         self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
+        if self.cost is not None and compute > 0:
+            self.cost.observe(padded, compute)
 
     async def close(self) -> None:
         """Refuse new work; queued and running requests still complete."""

@@ -126,6 +126,12 @@ class Metrics:
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
         )
+        self.batching_setting = Gauge(
+            "qkv_batching_setting",
+            "A tensor model's batching setting in force (tuned from its measured cost, or from config.json)",
+            ["model", "setting"],
+            registry=r,
+        )
         if not enabled:
             for name, value in list(vars(self).items()):
                 if name != "registry" and hasattr(value, "labels"):

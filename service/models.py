@@ -13,6 +13,7 @@ import logging
 import string
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +27,7 @@ from service.metrics import ModelObserver
 from service.repository import ModelConfig
 from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.scheduler import GenerationScheduler, WordsRequest
+from service.tuning import CostModel, Tuning, sweep, tune
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 
@@ -135,13 +137,34 @@ class TensorModel:
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
+        self.tuning: Tuning | None = None  # what warm_up measured and chose
 
     def warm_up(self, length: int = 64) -> None:
-        """One batch on each instance before serving. onnxruntime's first run allocates its arena,
-        and the best run's time gives admission a throughput estimate before any request: without
-        one, a flood on a fresh server would be admitted up to the queue limits, seconds of work."""
-        b = self.batcher.config
-        rows = max(1, min(self.max_batch_size, b.token_budget // length)) if self.batchable else 1
+        """Batches on each instance before serving. onnxruntime's first run allocates its arena; a sweep
+        of batch sizes measures what a batch costs here, from which the batching settings config.json
+        leaves out are chosen (service/tuning.py); and the best run gives admission a throughput estimate
+        before any request: without one, a flood on a fresh server would be admitted up to the queue
+        limits, seconds of work."""
+        if self.max_sequence_length:
+            length = min(length, self.max_sequence_length)
+        try:
+            feeds = self._feeds(1, length)
+            tokens = self._length(feeds)  # counted as a request's tokens are
+            for instance in range(self.batcher.instances):
+                self.runtime.run(instance, feeds)
+            points = sweep(partial(self._timed_run, length), tokens, self.max_batch_size if self.batchable else 1)
+        except Exception as e:  # a graph that inputs of ones cannot feed: serve untuned, measure later
+            log.warning("model '%s': warm-up skipped: %s", self.name, e)
+            return
+        cost = CostModel.fit(points)
+        tuning = tune(self.batcher.config, self.config.batching_given, points, self.batcher.handoff_seconds(), cost)
+        self.tuning = tuning
+        self.batcher.use(tuning, cost)
+        log.info("batching %s", tuning.summary(self.name))
+        best_tokens, best_seconds = max(points, key=lambda p: p[0] / p[1] if p[1] > 0 else 0.0)
+        self.admission.seed(best_tokens, best_seconds)
+
+    def _feeds(self, rows: int, length: int) -> dict[str, np.ndarray]:
         feeds = {}
         for s in self.inputs:
             dims = [d if d >= 0 else 1 for d in s.shape]
@@ -150,17 +173,13 @@ class TensorModel:
             if self._on_sequence_axis(s):
                 dims[self.sequence_axis] = length  # type: ignore[index]
             feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
-        best = float("inf")
-        try:
-            tokens = rows * self._length(feeds)  # counted as a request's tokens are
-            for instance in range(self.batcher.instances):
-                t0 = time.perf_counter()
-                self.runtime.run(instance, feeds)
-                best = min(best, time.perf_counter() - t0)
-        except Exception as e:  # a graph with inputs ones cannot feed: serve unwarmed, measure later
-            log.warning("model '%s': warm-up skipped: %s", self.name, e)
-            return
-        self.admission.seed(tokens, best)
+        return feeds
+
+    def _timed_run(self, length: int, rows: int) -> float:
+        feeds = self._feeds(rows, length)
+        t0 = time.perf_counter()
+        self.runtime.run(0, feeds)
+        return time.perf_counter() - t0
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:

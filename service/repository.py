@@ -61,6 +61,7 @@ class ModelConfig:
     sequence_axis: int | None = None  # tensor models: the axis padded when batching different lengths
     limits: dict[str, Any] = field(default_factory=dict)  # per kind: lengths, sizes, vocab_size per input
     card: dict[str, Any] = field(default_factory=dict)
+    batching_given: frozenset[str] = frozenset()  # the batching keys config.json set: tuning leaves them
 
 
 def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -112,6 +113,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         directory=version,
         batching=BatchingConfig(**_typed(BatchingConfig, batching, f"model '{name}' batching")),
         card=raw.get("model_card", {}),
+        batching_given=frozenset(batching),
         **settings,
     )
 

@@ -44,6 +44,7 @@ SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
+BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
 MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
 
 
@@ -129,7 +130,7 @@ class InferenceService:
 
         types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
         types["BYTES"] = int(protocol.DataType.TYPE_STRING)
-        b = m.config.batching
+        b = m.batcher.config if isinstance(m, TensorModel) else m.config.batching
         config = protocol.ModelConfig(
             name=m.name,
             platform="onnxruntime_onnx",
@@ -153,6 +154,12 @@ class InferenceService:
             config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
         config.parameters["provider"].string_value = m.provider
         config.parameters["kind"].string_value = m.kind
+        if isinstance(m, TensorModel):  # the batching in force, and where each value came from
+            reasons = m.tuning.reasons if m.tuning is not None else {}
+            for key in BATCHING_SHOWN:
+                config.parameters[f"batching.{key}"].string_value = f"{getattr(b, key):g}"
+                if key in reasons:
+                    config.parameters[f"batching.{key}.source"].string_value = reasons[key]
         return protocol.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -401,6 +408,8 @@ class Server:
         for m in self.models.values():
             if isinstance(m, TensorModel):
                 m.warm_up()
+                for key in BATCHING_SHOWN:
+                    self.metrics.batching_setting.labels(m.name, key).set(float(getattr(m.batcher.config, key)))
                 m.batcher.start()
             else:
                 m.scheduler.start()

@@ -1,0 +1,188 @@
+"""Batching settings from a tensor model's measured cost on this machine (docs/configuration.md, "Tuned
+batching").
+
+A batch's time is modelled as `fixed + per_token x padded tokens`, fitted to a sweep of batch sizes run
+at start and refitted to the batches served. With the measured cost of handing a request to an
+instance's thread, it decides what config.json leaves unsaid:
+
+- `inline_max_tokens`: a request on an idle server is computed on the event loop's own thread only when
+  its predicted time is far below (half) the cost of handing it to an instance's thread;
+- `token_budget`: the padded tokens at which a batch's throughput, its fixed cost and the hand-off
+  included, reaches 90 % of what larger batches reach: beyond it they only add latency;
+- `max_queue_delay_ms`: one batch's fixed cost, the most that waiting for one more request can save; and
+  a partial batch waits at all only while requests arrive faster than that (`Pacing`).
+
+Values given in config.json win. The server logs what it chose and why; ModelConfig and the
+`qkv_batching_setting` metric show the values in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from service.repository import BatchingConfig
+
+__all__ = ["TUNED", "CostModel", "Pacing", "Tuning", "handoff_seconds", "sweep", "tune"]
+
+TUNED = ("inline_max_tokens", "token_budget", "max_queue_delay_ms")
+FLAT = 0.9  # the budget: where throughput reaches this share of what larger batches reach
+INLINE_SHARE = 0.5  # computed on the event loop only when that costs less than this share of a hand-off
+SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
+REFIT_EVERY = 32  # served batches between refits
+
+
+@dataclass
+class CostModel:
+    """Seconds of one batch = fixed + per_token x padded tokens, least squares over measured batches."""
+
+    fixed: float
+    per_token: float
+    samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=256))
+    _since_fit: int = 0
+
+    @classmethod
+    def fit(cls, points: Iterable[tuple[int, float]]) -> CostModel:
+        model = cls(0.0, 0.0)
+        model.samples.extend(points)
+        model._refit()
+        return model
+
+    def predict(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A served batch: the model follows the machine (load, caches, frequency) as it serves."""
+        self.samples.append((tokens, seconds))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._refit()
+
+    def _refit(self) -> None:
+        """Weighted least squares with weights 1/seconds^2 (relative errors): the samples span three orders
+        of magnitude, and the fixed cost, which small batches show, must not drown in the large ones'."""
+        self._since_fit = 0
+        points = [(float(t), s) for t, s in self.samples if s > 0]
+        if not points:
+            return
+        w = [1.0 / (s * s) for _, s in points]
+        sw = sum(w)
+        mx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True)) / sw
+        my = sum(wi * y for wi, (_, y) in zip(w, points, strict=True)) / sw
+        var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points, strict=True))
+        cov = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points, strict=True))
+        slope = cov / var if var > 0 else 0.0
+        if slope <= 0:  # one size only, or noise: all of the time is per token
+            self.per_token, self.fixed = (my / mx if mx > 0 else 0.0), 0.0
+            return
+        self.per_token = slope
+        self.fixed = max(0.0, my - slope * mx)
+
+
+def sweep(run: Callable[[int], float], length: int, max_rows: int) -> list[tuple[int, float]]:
+    """(padded tokens, best seconds of two runs) for 1, 2, 4 ... max_rows rows of `length`; stops early
+    once a batch takes SWEEP_LIMIT_S (a large model's full sweep would hold the start for seconds)."""
+    points = []
+    rows = 1
+    while rows <= max_rows:
+        seconds = min(run(rows) for _ in range(2))
+        points.append((rows * length, seconds))
+        if seconds > SWEEP_LIMIT_S or rows == max_rows:
+            break
+        rows = min(rows * 2, max_rows)
+    return points
+
+
+def handoff_seconds(executor: Executor, n: int = 20, pause: float = 0.002) -> float:
+    """Median time for an event loop to hand a no-op to an instance's thread and have the answer back, as
+    an idle server does (a pause before each, so the threads have gone to sleep): the cost that computing
+    a request on the event loop itself saves. Measured on a loop of its own, in a thread of its own."""
+
+    async def measure() -> float:
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(n):
+            await asyncio.sleep(pause)
+            t0 = time.perf_counter()
+            await loop.run_in_executor(executor, _nothing)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(measure())))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _nothing() -> None: ...
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What the measurements gave, and the settings in force (config.json's where it gave them)."""
+
+    config: BatchingConfig
+    fixed_ms: float
+    per_token_us: float
+    handoff_ms: float
+    reasons: dict[str, str]
+
+    def summary(self, model: str) -> str:
+        said = "; ".join(f"{k} {getattr(self.config, k):g} ({why})" for k, why in self.reasons.items())
+        return (
+            f"model '{model}': a batch costs {self.fixed_ms:.3f} ms + {self.per_token_us:.3f} us/token, a hand-off "
+            f"{self.handoff_ms:.3f} ms: {said}"
+        )
+
+
+def tune(
+    config: BatchingConfig, given: frozenset[str], points: list[tuple[int, float]], handoff: float, cost: CostModel
+) -> Tuning:
+    """The settings for a model whose sweep gave `points` and whose hand-off costs `handoff` seconds."""
+    changes: dict[str, Any] = {}
+    reasons: dict[str, str] = {}
+    per_batch = cost.fixed + handoff  # what every batch costs beyond its tokens, when served
+    if "inline_max_tokens" not in given:
+        room = INLINE_SHARE * handoff - cost.fixed
+        tokens = int(room / cost.per_token) if room > 0 and cost.per_token > 0 else 0
+        changes["inline_max_tokens"] = tokens
+        reasons["inline_max_tokens"] = f"requests whose compute is below {INLINE_SHARE:g} of a hand-off"
+    if "token_budget" not in given and cost.per_token > 0:
+        # tokens / (per_batch + per_token x tokens) reaches FLAT of its limit at FLAT / (1 - FLAT) x ...
+        budget = math.ceil(FLAT / (1 - FLAT) * per_batch / cost.per_token)
+        changes["token_budget"] = max(1, min(budget, max(t for t, _ in points) if points else budget))
+        reasons["token_budget"] = f"throughput {FLAT:.0%} of what larger batches reach"
+    if "max_queue_delay_ms" not in given:
+        changes["max_queue_delay_ms"] = round(cost.fixed * 1e3, 3)
+        reasons["max_queue_delay_ms"] = "one batch's fixed cost, the most one more request saves"
+    for key in TUNED:
+        if key in given:
+            reasons[key] = "config.json"
+    return Tuning(replace(config, **changes), cost.fixed * 1e3, cost.per_token * 1e6, handoff * 1e3, reasons)
+
+
+class Pacing:
+    """When a partial batch should wait for company: only while requests arrive faster than one batch's
+    fixed cost, which is what batching one more request saves."""
+
+    def __init__(self, cost: CostModel | None) -> None:
+        self.cost = cost
+        self.interarrival = math.inf  # seconds, smoothed
+        self._last = 0.0
+
+    def arrived(self, now: float) -> None:
+        if self._last:
+            gap = now - self._last
+            self.interarrival = gap if math.isinf(self.interarrival) else 0.8 * self.interarrival + 0.2 * gap
+        self._last = now
+
+    def company_soon(self) -> bool:
+        return self.cost is None or self.interarrival < self.cost.fixed

@@ -1,0 +1,188 @@
+"""Batching settings from a model's measured cost (service/tuning.py), on stand-in models whose cost
+is set: computed inline only when cheap, a partial batch waits only when company is coming, the token
+budget where throughput flattens; config.json's values win; the values in force are shown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from service import protocol
+from service.admission import WorkItem
+from service.batching import DynamicBatcher
+from service.repository import BatchingConfig
+from service.tuning import CostModel, Pacing, sweep, tune
+from tests.conftest import MODELS, start_server, stop_server
+
+CHEAP = (0.00001, 0.0000001)  # fixed, per token: 10 us + 0.1 us a token
+DEAR = (0.0003, 0.00003)  # 300 us + 30 us a token
+
+
+def test_the_cost_model_recovers_a_batch_cost_from_measurements() -> None:
+    fixed, per_token = DEAR
+    cost = CostModel.fit((t, fixed + per_token * t) for t in (16, 64, 256, 1024, 4096))
+    assert math.isclose(cost.fixed, fixed, rel_tol=1e-6) and math.isclose(cost.per_token, per_token, rel_tol=1e-6)
+    for _ in range(32):  # the machine slows down: served batches refit the model
+        cost.observe(1000, 2 * (fixed + per_token * 1000))
+    assert cost.predict(1000) > 1.5 * (fixed + per_token * 1000)
+
+
+def test_the_sweep_stops_once_a_batch_is_slow() -> None:
+    points = sweep(lambda rows: 0.01 * rows, length=64, max_rows=64)
+    assert [t for t, _ in points] == [64, 128, 256, 512, 1024, 2048]  # 32 rows took 0.32 s > 0.25 s
+    assert [t for t, _ in sweep(lambda rows: 1e-4 * rows, 16, 8)] == [16, 32, 64, 128]
+
+
+def _tuned(cost: tuple[float, float], handoff: float, given: frozenset[str] = frozenset()) -> Any:
+    fixed, per_token = cost
+    points = [(t, fixed + per_token * t) for t in (64, 128, 256, 512, 1024, 2048, 4096)]
+    return tune(BatchingConfig(), given, points, handoff, CostModel.fit(points))
+
+
+def test_inline_only_when_compute_is_far_below_a_handoff() -> None:
+    cheap = _tuned(CHEAP, handoff=0.0002).config
+    assert cheap.inline_max_tokens == 900  # (0.5 x 200 us - 10 us) / 0.1 us
+    assert _tuned(DEAR, handoff=0.0002).config.inline_max_tokens == 0  # even one token costs more
+
+
+def test_the_token_budget_is_where_throughput_flattens() -> None:
+    handoff = 0.0002
+    tuning = _tuned(DEAR, handoff)
+    fixed, per_token = DEAR
+    budget = tuning.config.token_budget
+    assert budget == math.ceil(9 * (fixed + handoff) / per_token)  # 150 tokens
+
+    def throughput(tokens: int) -> float:
+        return tokens / (fixed + handoff + per_token * tokens)
+
+    assert throughput(budget) >= 0.9 / per_token * (1 - 1e-9) > throughput(budget - 20)
+    assert tuning.config.max_queue_delay_ms == pytest.approx(fixed * 1e3)
+
+
+def test_config_json_values_win_and_say_so() -> None:
+    tuning = _tuned(DEAR, 0.0002, given=frozenset({"token_budget", "max_queue_delay_ms"}))
+    assert tuning.config.token_budget == BatchingConfig().token_budget
+    assert tuning.config.max_queue_delay_ms == BatchingConfig().max_queue_delay_ms
+    assert tuning.reasons["token_budget"] == tuning.reasons["max_queue_delay_ms"] == "config.json"
+    assert tuning.config.inline_max_tokens == 0 and "hand-off" in tuning.reasons["inline_max_tokens"]
+    assert "token_budget 8192 (config.json)" in tuning.summary("m")
+
+
+def test_pacing_waits_only_while_requests_come_faster_than_a_batch_costs() -> None:
+    pacing = Pacing(CostModel(fixed=0.001, per_token=0.0))
+    for k in range(10):
+        pacing.arrived(100.0 + k * 0.0002)  # every 0.2 ms
+    assert pacing.company_soon()
+    for k in range(10):
+        pacing.arrived(101.0 + k * 0.01)  # every 10 ms
+    assert not pacing.company_soon()
+    assert Pacing(None).company_soon()  # no cost model (an explicit delay): wait as configured
+
+
+class StandIn:
+    """A model whose batch costs fixed + per_token x padded tokens, spent on the calling thread."""
+
+    def __init__(self, cost: tuple[float, float]) -> None:
+        self.fixed, self.per_token = cost
+        self.threads: list[int] = []
+        self.sizes: list[int] = []
+
+    def __call__(self, items: list[WorkItem], instance: int) -> list[Any]:
+        self.threads.append(threading.get_ident())
+        self.sizes.append(len(items))
+        end = (
+            time.perf_counter()
+            + self.fixed
+            + self.per_token * sum(x.rows for x in items) * max(x.length for x in items)
+        )
+        while time.perf_counter() < end:  # busy, as compute is: a sleep would free the core
+            pass
+        return [x.payload for x in items]
+
+
+def _batcher(model: StandIn, cost: tuple[float, float]) -> DynamicBatcher:
+    b = DynamicBatcher("m", BatchingConfig(), model, instances=2)
+    points = sweep(lambda rows: cost[0] + cost[1] * rows * 16, 16, 64)
+    fitted = CostModel.fit(points)
+    b.use(tune(b.config, frozenset(), points, b.handoff_seconds(), fitted), fitted)
+    return b
+
+
+def _item(k: int, length: int = 16) -> WorkItem:
+    return WorkItem(rows=1, length=length, payload=k, future=asyncio.get_running_loop().create_future())
+
+
+def test_a_cheap_model_runs_on_the_event_loop_and_a_dear_one_on_its_threads() -> None:
+    async def run() -> None:
+        loop_thread = threading.get_ident()
+        for cost, inline in ((CHEAP, True), (DEAR, False)):
+            model = StandIn(cost)
+            b = _batcher(model, cost)
+            b.start()
+            for k in range(5):  # one at a time: the server is idle at each
+                assert await b.submit(_item(k)) == k
+            assert all((t == loop_thread) is inline for t in model.threads), (cost, b.config)
+            await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_partial_batch_waits_for_company_only_when_it_is_coming() -> None:
+    async def run() -> None:
+        dear = (0.02, 0.00001)  # a 20 ms fixed cost: worth waiting for requests a millisecond or so apart
+        for gap, batched in ((0.001, True), (0.05, False)):
+            model = StandIn(dear)
+            b = _batcher(model, dear)
+            b.start()
+            tasks = []
+            for k in range(16):
+                tasks.append(asyncio.create_task(b.submit(_item(k))))
+                await asyncio.sleep(gap)
+            assert [await t for t in tasks] == list(range(16))
+            rows = sum(model.sizes) / len(model.sizes)
+            assert (rows > 1.5) is batched, (gap, model.sizes)
+            if not batched:  # requests 50 ms apart never wait: each went as it came
+                assert max(model.sizes) == 1
+            await b.close()
+
+    asyncio.run(run())
+
+
+def test_the_values_in_force_are_in_model_config_and_the_metrics(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    (repo / "tuned").mkdir(parents=True)
+    (repo / "tuned" / "1").symlink_to(MODELS / "g2p_encoder" / "1", target_is_directory=True)
+    shipped = json.loads((MODELS / "g2p_encoder" / "config.json").read_text())
+    shipped.get("batching", {}).pop("token_budget", None)
+    (repo / "tuned" / "config.json").write_text(json.dumps(shipped))
+    (repo / "given").mkdir()
+    (repo / "given" / "1").symlink_to(MODELS / "g2p_encoder" / "1", target_is_directory=True)
+    (repo / "given" / "config.json").write_text(json.dumps({**shipped, "batching": {"token_budget": 1000}}))
+    s = start_server(["--model-repository", str(repo)], tmp_path / "log")
+    try:
+        with grpc.insecure_channel(s.url) as channel:
+            stub = protocol.Stub(channel)
+            params = {
+                name: stub.ModelConfig(protocol.ModelConfigRequest(name=name), timeout=10).config.parameters
+                for name in ("tuned", "given")
+            }
+        metrics = urllib.request.urlopen(s.metrics_url, timeout=10).read().decode()
+    finally:
+        stop_server(s)
+    assert params["given"]["batching.token_budget"].string_value == "1000"
+    assert params["given"]["batching.token_budget.source"].string_value == "config.json"
+    tuned = params["tuned"]["batching.token_budget"].string_value
+    assert tuned != "8192" and "throughput" in params["tuned"]["batching.token_budget.source"].string_value
+    assert f'qkv_batching_setting{{model="tuned",setting="token_budget"}} {float(tuned)}' in metrics
+    assert 'qkv_batching_setting{model="given",setting="token_budget"} 1000.0' in metrics
+    log = s.output()
+    assert "batching model 'tuned': a batch costs" in log and "token_budget 1000 (config.json)" in log
