@@ -1,6 +1,6 @@
 """`qkv export`: a checkpoint -> ONNX graphs + model repository entries, with a parity check.
 
-Writes two entries (DESIGN.md, "Model repository"):
+Writes two entries (docs/design.md, "Model repository"):
     models/g2p/          encoder.onnx (+ cross-attention keys/values), decoder.onnx (one cached step),
                          their int8 copies (export/quantize.py), graphemes.json, phonemes.json under 1/,
                          and config.json with the model card

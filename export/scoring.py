@@ -1,4 +1,4 @@
-"""WER and PER as DESIGN.md defines them, with and without stress digits."""
+"""WER and PER with and without stress digits (docs/design.md, "The reference model")."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ The JSON is generated, not hand-edited: change this file, then run
     python deploy/grafana/build_dashboard.py          # rewrites qkv.json
     python deploy/grafana/build_dashboard.py --check  # exit 1 if qkv.json is stale
 
-Plain Python on purpose (no Grafana SDK needed to rebuild). Every query uses only the
-metrics of DESIGN.md and the dashboard variables ``$datasource``, ``$model``, ``$instance``.
+Plain Python on purpose (no Grafana SDK needed to rebuild). Every query uses only the metrics
+of docs/design.md, "Metrics", and the dashboard variables ``$datasource``, ``$model``,
+``$instance``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ DOCKER = DEPLOY / "docker"
 COMPOSE = ROOT / "docker-compose.yml"
 OVERLAYS = ("cpu", "gpu")
 
-# DESIGN.md "Metrics": name -> type. Prometheus exposes histograms as _bucket/_sum/_count
+# docs/design.md, "Metrics": name -> type. Prometheus exposes histograms as _bucket/_sum/_count
 # and counters with _total (prometheus_client adds _created beside them).
 METRICS = {
     "qkv_request_duration_seconds": "histogram",

@@ -1,8 +1,9 @@
 """The dashboard's queries and the rules against a real Prometheus.
 
-A stand-in exporter publishes DESIGN.md's metrics (names, types, labels) on a loopback port
-picked by the OS; a real Prometheus scrapes it every second with deploy/prometheus/rules.yml
-loaded. Every dashboard query must return data, and every rule must evaluate without error.
+A stand-in exporter publishes the metrics of docs/design.md, "Metrics" (names, types, labels) on a
+loopback port picked by the OS; a real Prometheus scrapes it every second with
+deploy/prometheus/rules.yml loaded. Every dashboard query must return data, and every rule must
+evaluate without error.
 (The end-to-end check with a real `qkv serve` lives with the service tests.)
 """
 

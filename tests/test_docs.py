@@ -1,0 +1,482 @@
+"""The reference documents held to the code.
+
+docs/configuration.md against the command-line parsers, ServerSettings and the config.json loader;
+docs/design.md against a real server's /metrics, the protocol's RPCs and the error statuses; every
+file of the checkout against stale references, broken Markdown links and cited sections that do not
+exist. Each test names what is missing from a document and what a document names that the code lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import re
+import subprocess
+import textwrap
+import urllib.request
+from dataclasses import MISSING, fields
+from functools import cache
+from pathlib import Path
+from typing import Any, NoReturn
+from unittest import mock
+
+import grpc
+import pytest
+
+from service import cli, errors, protocol, repository
+from service.client import PUSHBACK, Client, g2p_request
+from service.config import ServerSettings, add_arguments, from_arguments
+from service.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
+from service.repository import BatchingConfig, ModelConfig
+from tests.conftest import ROOT, RunningServer
+
+DOCS = ROOT / "docs"
+DESIGN = DOCS / "design.md"
+CONFIGURATION = DOCS / "configuration.md"
+SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
+CODE = re.compile(r"`([^`]*)`")
+Row = list[str]
+
+
+# --- reading the documents --------------------------------------------------------------------------
+
+
+def headings(path: Path) -> list[tuple[int, str, int]]:
+    """(level, title, line index) of each heading outside fenced code blocks."""
+    found, fenced = [], False
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := HEADING.match(line)):
+            found.append((len(m.group(1)), m.group(2), i))
+    return found
+
+
+def section(path: Path, title: str) -> str:
+    """The text under heading `title`, up to the next heading of the same or a higher level."""
+    lines = path.read_text().splitlines()
+    marks = headings(path)
+    for k, (level, name, start) in enumerate(marks):
+        if name == title:
+            end = next((i for lv, _, i in marks[k + 1 :] if lv <= level), len(lines))
+            return "\n".join(lines[start + 1 : end])
+    raise AssertionError(f"{path.relative_to(ROOT)} has no section {title!r}")
+
+
+def _cells(line: str) -> Row:
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def table(text: str, first_column: str) -> list[Row]:
+    """The rows of the one Markdown table in `text` whose first header cell is `first_column`."""
+    lines, found = text.splitlines(), []
+    for i in range(len(lines) - 1):
+        if lines[i].startswith("|") and SEPARATOR.match(lines[i + 1]) and _cells(lines[i])[0] == first_column:
+            rows = []
+            for line in lines[i + 2 :]:
+                if not line.startswith("|"):
+                    break
+                rows.append(_cells(line))
+            found.append(rows)
+    assert len(found) == 1, f"expected one table headed {first_column!r}, found {len(found)}"
+    return found[0]
+
+
+def codes(cell: str) -> list[str]:
+    return CODE.findall(cell)
+
+
+def documented(rows: list[Row]) -> dict[str, Row]:
+    """Each code span of a row's first cell -> the row."""
+    return {name: row for row in rows for name in codes(row[0])}
+
+
+def rendered(value: Any) -> str | None:
+    """A default as the reference writes it (None: written as the word none)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return '""' if value == "" else str(value)
+
+
+def assert_default(cell: str, value: Any, what: str) -> None:
+    want = rendered(value)
+    if want is None:
+        assert cell.startswith("none"), f"{what}: default documented as {cell!r}, the code has none"
+    else:
+        got = codes(cell)[:1]
+        assert got == [want], f"{what}: default documented as {cell!r}, the code has `{want}`"
+
+
+def assert_same(documented_names: set[str], actual: set[str], where: str, what: str) -> None:
+    missing, stale = sorted(actual - documented_names), sorted(documented_names - actual)
+    assert not missing, f"{where} lacks {what}: {missing}"
+    assert not stale, f"{where} documents {what} the code does not have: {stale}"
+
+
+# --- the command-line parsers -------------------------------------------------------------------------
+
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+@cache
+def parser_of(command: str) -> argparse.ArgumentParser:
+    """The parser `qkv COMMAND` builds, caught as it is about to parse (nothing runs)."""
+
+    def caught(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        raise _Parsed(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", caught):
+        try:
+            cli.main([command])
+        except _Parsed as e:
+            return e.parser
+    raise AssertionError(f"qkv {command} parsed no arguments")
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {o: a for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+
+
+# --- configuration.md ---------------------------------------------------------------------------------
+
+
+def test_every_serve_flag_and_environment_variable_is_documented_with_its_default() -> None:
+    parser = parser_of("serve")
+    actions = flags(parser)
+    rows = documented(table(section(CONFIGURATION, "`qkv serve`"), "flag"))
+    assert_same(set(rows), set(actions), "docs/configuration.md, `qkv serve`", "flags")
+    settings = {f.name: f for f in fields(ServerSettings)}
+    for flag, row in rows.items():
+        dest = actions[flag].dest
+        env = "QKV_" + dest.upper()
+        assert codes(row[1]) == [env], f"{flag}: environment documented as {row[1]!r}, the code reads {env}"
+        assert dest in settings, f"{flag} is no ServerSettings field"
+        assert_default(row[2], settings[dest].default, flag)
+
+
+def _other_value(name: str, default: Any) -> tuple[str, Any]:
+    """An environment value for setting `name` and what it should become: anything but the default."""
+    if isinstance(default, bool):
+        return ("0", False) if default else ("1", True)
+    if isinstance(default, int | float):
+        return str(default + 1), type(default)(default + 1)
+    choices = next(f.metadata.get("choices") for f in fields(ServerSettings) if f.name == name)
+    if choices:
+        value = next(c for c in choices if c != default)
+        return value, value
+    return "elsewhere", Path("elsewhere") if isinstance(default, Path) or default is None else "elsewhere"
+
+
+def test_every_documented_environment_variable_is_read() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rows = documented(table(section(CONFIGURATION, "`qkv serve`"), "flag"))
+    for env in {codes(row[1])[0] for row in rows.values()}:
+        name = env.removeprefix("QKV_").lower()
+        default = getattr(ServerSettings(), name)
+        text, value = _other_value(name, default)
+        settings = from_arguments(parser.parse_args([]), {env: text})
+        assert getattr(settings, name) == value, f"{env}={text} left {name} at {getattr(settings, name)!r}"
+
+
+def _is_raw(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "raw"
+
+
+def loader_keys() -> set[str]:
+    """The top-level config.json keys `load_model_config` reads from the parsed file (`raw`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(repository.load_model_config)))
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if _is_raw(node.func.value) and node.args and isinstance(node.args[0], ast.Constant):
+                keys.add(node.args[0].value)
+        elif isinstance(node, ast.Subscript) and _is_raw(node.value) and isinstance(node.slice, ast.Constant):
+            keys.add(node.slice.value)
+        elif isinstance(node, ast.Compare) and any(_is_raw(c) for c in node.comparators):
+            if isinstance(node.left, ast.Constant):
+                keys.add(node.left.value)
+        elif (
+            isinstance(node, ast.comprehension)
+            and isinstance(node.iter, ast.Tuple | ast.List | ast.Set)
+            and any(isinstance(c, ast.Compare) and any(_is_raw(x) for x in c.comparators) for c in node.ifs)
+        ):
+            keys |= {e.value for e in node.iter.elts if isinstance(e, ast.Constant)}
+    return keys
+
+
+def test_every_top_level_config_key_is_documented_and_read() -> None:
+    keys = loader_keys()
+    # The scan sees what the loader is known to read, and each plain setting it finds is a ModelConfig field.
+    structured = {"kind", "batching", "max_batch_size", "model_card"}
+    assert structured <= keys, f"the scan of load_model_config found only {sorted(keys)}"
+    settings = {f.name for f in fields(ModelConfig)}
+    assert keys - structured <= settings, f"not ModelConfig fields: {sorted(keys - structured - settings)}"
+    rows = documented(table(section(CONFIGURATION, "Top-level keys"), "key"))
+    assert_same(set(rows), keys, "docs/configuration.md, Top-level keys", "config.json keys")
+    defaults = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+    for key, row in rows.items():
+        if key in defaults:
+            assert_default(row[1], defaults[key], f"config.json {key}")
+
+
+def _used_by(key: str) -> set[str]:
+    """The model kinds whose scheduler reads batching setting `key`."""
+    service = ROOT / "service"
+    read = {f: re.search(rf"\.{key}\b", (service / f).read_text()) is not None for f in ("batching.py", "scheduler.py")}
+    shared = re.search(rf"\.{key}\b", (service / "admission.py").read_text()) is not None
+    return {kind for kind, f in (("tensor", "batching.py"), ("g2p", "scheduler.py")) if read[f] or shared}
+
+
+def test_every_batching_key_is_documented_with_its_default_and_kinds() -> None:
+    rows = documented(table(section(CONFIGURATION, "`batching`"), "key"))
+    settings = {f.name: f for f in fields(BatchingConfig)}
+    assert_same(set(rows), set(settings), "docs/configuration.md, `batching`", "batching keys")
+    for key, row in rows.items():
+        assert_default(row[1], settings[key].default, f"batching.{key}")
+        kinds = {"tensor", "g2p"} if row[2] == "both" else {row[2]}
+        assert kinds == _used_by(key), f"batching.{key}: documented for {row[2]}, read for {sorted(_used_by(key))}"
+
+
+def _is_limits(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "limits") or (
+        isinstance(node, ast.Attribute) and node.attr == "limits"
+    )
+
+
+def limit_reads() -> dict[tuple[str, str], Any]:
+    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models.py."""
+    reads: dict[tuple[str, str], Any] = {}
+    tree = ast.parse((ROOT / "service" / "models.py").read_text())
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        kind = next(
+            (
+                n.value.value
+                for n in cls.body
+                if isinstance(n, ast.Assign)
+                and isinstance(n.value, ast.Constant)
+                and any(isinstance(t, ast.Name) and t.id == "kind" for t in n.targets)
+            ),
+            None,
+        )
+        for node in ast.walk(cls):
+            if (
+                kind is not None
+                and isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and _is_limits(node.func.value)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                default = node.args[1] if len(node.args) > 1 else None
+                reads[(node.args[0].value, kind)] = default.value if isinstance(default, ast.Constant) else None
+    return reads
+
+
+def test_every_limit_is_documented_with_its_kind_and_default() -> None:
+    reads = limit_reads()
+    assert {kind for _, kind in reads} == {"tensor", "g2p"}, f"the scan of service/models.py found {sorted(reads)}"
+    rows = table(section(CONFIGURATION, "`limits`"), "key")
+    docs = {(codes(row[0])[0], row[1]): row for row in rows}
+    assert_same(set(docs), set(reads), "docs/configuration.md, `limits`", "(limit, kind) pairs")
+    for (key, kind), row in docs.items():
+        assert_default(row[2], reads[(key, kind)], f"limits.{key} ({kind})")
+
+
+def test_every_command_and_its_flags_are_documented() -> None:
+    commands = documented(table(section(DESIGN, "Command line"), "command"))
+    assert_same(set(commands), {f"qkv {c}" for c in cli.COMMANDS}, 'docs/design.md, "Command line"', "commands")
+    for command in cli.COMMANDS:
+        if command == "serve":
+            continue
+        rows = documented(table(section(CONFIGURATION, f"`qkv {command}`"), "flag"))
+        where = f"docs/configuration.md, `qkv {command}`"
+        assert_same(set(rows), set(flags(parser_of(command))), where, "flags")
+
+
+# --- design.md ----------------------------------------------------------------------------------------
+
+SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s")
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
+
+
+class Exposition:
+    """A /metrics page: its qkv_ families with their type, label names and histogram buckets."""
+
+    def __init__(self, text: str) -> None:
+        types = dict(re.findall(r"^# TYPE (qkv_\w+) (\w+)$", text, re.M))
+        self.samples = {m.group(1) for line in text.splitlines() if (m := SAMPLE.match(line))}
+
+        def created(name: str) -> bool:  # prometheus_client writes a counter's or histogram's _created apart
+            stem = name.removesuffix("_created")
+            return name.endswith("_created") and (
+                types.get(stem + "_total") == "counter" or types.get(stem) == "histogram"
+            )
+
+        self.types = {name: kind for name, kind in types.items() if not created(name)}
+        self.labels: dict[str, set[str]] = {name: set() for name in self.types}
+        self.buckets: dict[str, set[float]] = {}
+        for line in text.splitlines():
+            m = SAMPLE.match(line)
+            if not m or not m.group(1).startswith("qkv_"):
+                continue
+            name, labels = m.group(1), dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+            family = next((name.removesuffix(s) for s in HISTOGRAM_SERIES if name.removesuffix(s) in self.types), name)
+            if family in self.types:
+                self.labels[family] |= set(labels) - {"le"}
+                if name.endswith("_bucket") and labels.get("le") != "+Inf":
+                    self.buckets.setdefault(family, set()).add(float(labels["le"]))
+        self.text = text
+
+
+@pytest.fixture(scope="module")
+def exposition(server: RunningServer) -> Exposition:
+    """/metrics of the shared server after one g2p request and one for a model it lacks."""
+    with Client(server.url, timeout=30) as client:
+        assert client.g2p(["attention"]) == ["AH0 T EH1 N SH AH0 N"]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.infer(g2p_request(["attention"], model="no-such-model"))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    return Exposition(urllib.request.urlopen(server.metrics_url, timeout=10).read().decode())
+
+
+def test_every_exposed_metric_is_documented_with_its_type_and_labels(exposition: Exposition) -> None:
+    text = section(DESIGN, "Metrics")
+    rows = {codes(row[0])[0]: row for row in table(text, "metric")}
+    assert_same(set(rows), set(exposition.types), 'docs/design.md, "Metrics"', "metrics")
+    for name, row in rows.items():
+        kind = exposition.types[name]
+        assert row[1].split()[0] == kind, f"{name}: documented as {row[1]!r}, exposed as a {kind}"
+        assert set(codes(row[2])) == exposition.labels[name], (
+            f"{name}: labels documented as {codes(row[2])}, exposed with {sorted(exposition.labels[name])}"
+        )
+    mentioned = set(re.findall(r"\bqkv_\w+", text))
+    unknown = sorted(mentioned - set(exposition.types) - exposition.samples)
+    assert not unknown, f'docs/design.md, "Metrics" names series the server does not expose: {unknown}'
+
+
+def test_every_histogram_bucket_set_is_documented(exposition: Exposition) -> None:
+    rows = {codes(row[0])[0]: row for row in table(section(DESIGN, "Metrics"), "histogram")}
+    histograms = {name for name, kind in exposition.types.items() if kind == "histogram"}
+    assert_same(set(rows), histograms, 'docs/design.md, "Metrics" buckets', "histograms")
+    for name, row in rows.items():
+        assert name in exposition.buckets, f"{name} exposed no buckets to compare"
+        documented_buckets = [float(x) for x in re.split(r",\s*", row[1])]
+        exposed = sorted(exposition.buckets[name])
+        assert documented_buckets == exposed, f"{name}: documented buckets {documented_buckets}, exposed {exposed}"
+
+
+def test_label_values_of_the_metrics_section(exposition: Exposition) -> None:
+    text = section(DESIGN, "Metrics")
+    seq_len = ", ".join(map(str, SEQ_LEN_BUCKETS)) + ", inf"
+    assert seq_len in text, f'docs/design.md, "Metrics" should list the seq_len values {seq_len}'
+    unknown = f'model="{UNKNOWN_MODEL}"'
+    assert unknown in text, f'docs/design.md, "Metrics" should name the label value {unknown}'
+    assert re.search(rf"^qkv_requests_total\{{[^}}]*{re.escape(unknown)}", exposition.text, re.M), (
+        f"a request for a model the server lacks was not counted under {unknown}"
+    )
+
+
+def _status_codes() -> set[str]:
+    """Every status the server answers with: the ServingError codes and the ones it aborts with itself."""
+    found: set[str] = set()
+    pending: list[type[errors.ServingError]] = [errors.ServingError]
+    while pending:
+        cls = pending.pop()
+        found.add(cls.code)
+        pending += cls.__subclasses__()
+    for path in ("server.py", "security.py", "protocol/__init__.py"):
+        found |= set(re.findall(r"grpc\.StatusCode\.([A-Z_]+)", (ROOT / "service" / path).read_text()))
+    return found
+
+
+def test_every_status_is_documented_with_the_message_bounds() -> None:
+    text = section(DESIGN, "Errors")
+    statuses = {codes(row[0])[0] for row in table(text, "status")}
+    assert_same(statuses, _status_codes(), 'docs/design.md, "Errors"', "statuses")
+    for fact in (PUSHBACK, f"{errors.QUOTE_CHARS} characters", f"{errors.MAX_MESSAGE_BYTES:,} bytes"):
+        assert fact in text, f'docs/design.md, "Errors" should say {fact!r}'
+
+
+def test_every_rpc_is_documented() -> None:
+    rpcs = {codes(row[0])[0] for row in table(section(DESIGN, "Wire protocol"), "RPC")}
+    assert_same(rpcs, {m.name for m in protocol.SERVICE.methods}, 'docs/design.md, "Wire protocol"', "RPCs")
+
+
+# --- every file ---------------------------------------------------------------------------------------
+
+
+@cache
+def checkout_files() -> list[Path]:
+    """The files git tracks or would track (untracked and not ignored), as they are on disk."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return sorted({ROOT / p for p in listed.split("\0") if p and (ROOT / p).is_file()})
+
+
+def test_no_file_refers_to_material_outside_the_repository() -> None:
+    # Spelled in pieces, so that this file does not match itself.
+    stale = ("DESIGN" + ".md", ".." + "/shared", "/" + "work/")
+    hits = []
+    for path in checkout_files():
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        text = data.decode(errors="replace")
+        hits += [f"{path.relative_to(ROOT)}: {s}" for s in stale if s in text]
+    assert not hits, "references to files outside the repository:\n" + "\n".join(hits)
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def test_every_relative_markdown_link_points_to_a_file() -> None:
+    broken = []
+    for path in (p for p in checkout_files() if p.suffix == ".md"):
+        for target in LINK.findall(path.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor in the same file
+            file = target.split("#", 1)[0]
+            resolved = ROOT / file.lstrip("/") if file.startswith("/") else path.parent / file
+            if not resolved.exists():
+                broken.append(f"{path.relative_to(ROOT)}: ]({target})")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+# A title may wrap onto the next line (in a docstring, say): whitespace in it counts as one space.
+CITATION = re.compile(r"(docs/[\w./-]+\.md)\)?,?\s+\"([^\"]{1,100})\"")
+MD_CITATION = re.compile(r"\]\(([\w./-]+\.md)\),?\s+\"([^\"]{1,100})\"")
+
+
+def test_every_cited_section_exists() -> None:
+    """`(docs/design.md, "Metrics")` in code and `[design.md](design.md), "Errors"` in documents."""
+    missing = []
+    for path in checkout_files():
+        if path.suffix not in (".py", ".md", ".yml", ".yaml", ".sh", ".toml") and path.name != "Makefile":
+            continue
+        text = path.read_text()
+        cited = [(ROOT / doc, " ".join(title.split())) for doc, title in CITATION.findall(text)]
+        if path.suffix == ".md":
+            cited += [(path.parent / doc, " ".join(title.split())) for doc, title in MD_CITATION.findall(text)]
+        for doc, title in cited:
+            # A citation may shorten a title to its start: "What a client can reach" for "What a client can
+            # reach, and the bound on each".
+            if not doc.is_file() or not any(name.startswith(title) for _, name, _ in headings(doc)):
+                missing.append(f'{path.relative_to(ROOT)}: {os.path.relpath(doc, ROOT)}, "{title}"')
+    assert not missing, "citations of sections that do not exist:\n" + "\n".join(missing)
