@@ -21,7 +21,7 @@ from service import priority
 from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, ServingError, Unavailable
 from service.repository import BatchingConfig
-from service.tuning import CostModel, Pacing, Tuning, handoff_seconds
+from service.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
 
 __all__ = ["DynamicBatcher", "select_batch"]
 
@@ -114,6 +114,10 @@ class DynamicBatcher:
         """What handing a request to an instance's thread and back costs here."""
         return handoff_seconds(self._executors[0])
 
+    def served_seconds(self, batch: Callable[[], object]) -> float:
+        """What `batch` costs as served: handed from an event loop to an instance's thread and back."""
+        return served_seconds(self._executors[0], batch)
+
     def use(self, tuning: Tuning, cost: CostModel) -> None:
         """Batch with the tuned settings, and keep the cost model current with every batch served."""
         self.config = self.admission.config = tuning.config
@@ -152,12 +156,12 @@ class DynamicBatcher:
         item.started = start = time.monotonic()
         self.observer.waited(0.0)
         try:
-            (result,), seconds = self._compute([item], instance)
+            (result,) = self._compute([item], instance)
         finally:
             self._idle.append(instance)
         if isinstance(result, BaseException):
             raise result  # a failed run says nothing about throughput
-        self._measured([item], time.monotonic() - start, seconds)
+        self._measured([item], time.monotonic() - start)
         return result
 
     def _withdraw(self, item: WorkItem) -> None:
@@ -227,11 +231,11 @@ class DynamicBatcher:
             self.observer.waited(start - x.arrived)
         loop = asyncio.get_running_loop()
         try:
-            results, seconds = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
+            results = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
         finally:
             self._idle.append(instance)
             self._changed.set()
-        self._measured(items, time.monotonic() - start, seconds)
+        self._measured(items, time.monotonic() - start, failed=any(isinstance(r, BaseException) for r in results))
         for x, r in zip(items, results, strict=True):
             if x.future.done():
                 continue
@@ -240,26 +244,25 @@ class DynamicBatcher:
             else:
                 x.future.set_result(r)
 
-    def _compute(self, items: list[WorkItem], instance: int) -> tuple[list[Any], float]:
-        """`run_batch` and its seconds on this thread, a failure turned into each request's error: a runtime
-        failure fails this batch only (and its time, 0, is not a measurement)."""
-        t0 = time.perf_counter()
+    def _compute(self, items: list[WorkItem], instance: int) -> list[Any]:
+        """`run_batch`, a failure turned into each request's error: a runtime failure fails this batch only."""
         try:
-            return self.run_batch(items, instance), time.perf_counter() - t0
+            return self.run_batch(items, instance)
         except ServingError as e:
-            return [e] * len(items), 0.0
+            return [e] * len(items)
         except Exception as e:
             log.error("model '%s': batch of %d failed: %s", self.name, len(items), e)
-            return [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items), 0.0
+            return [Internal(f"model '{self.name}' failed on this batch: {e}")] * len(items)
 
-    def _measured(self, items: list[WorkItem], seconds: float, compute: float) -> None:
-        """`seconds` from dispatch to results (throughput, metrics); `compute` on the instance's thread."""
+    def _measured(self, items: list[WorkItem], seconds: float, failed: bool = False) -> None:
+        """A batch's `seconds` from dispatch to results: throughput, metrics, and the cost model (which,
+        like the sweep it started from, counts what a batch costs as served, hand-off included)."""
         real = sum(x.tokens for x in items)
         padded = sum(x.rows for x in items) * max(x.length for x in items)
         self.admission.measured(real, seconds, saturated=bool(self.queue))
         self.observer.batch(sum(x.rows for x in items), padded, real, seconds)
-        if self.cost is not None and compute > 0:
-            self.cost.observe(padded, compute)
+        if self.cost is not None and not failed:
+            self.cost.observe(padded, seconds)
 
     async def close(self) -> None:
         """Refuse new work; queued and running requests still complete."""

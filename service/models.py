@@ -14,7 +14,7 @@ import string
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -152,7 +152,8 @@ class TensorModel:
             tokens = self._length(feeds)  # counted as a request's tokens are
             for instance in range(self.batcher.instances):
                 self.runtime.run(instance, feeds)
-            points = sweep(partial(self._timed_run, length), tokens, self.max_batch_size if self.batchable else 1)
+            rows = self.max_batch_size if self.batchable else 1
+            points = sweep(lambda n: self.batcher.served_seconds(partial(self._batch_of, length, n)), tokens, rows)
         except Exception as e:  # a graph that inputs of ones cannot feed: serve untuned, measure later
             log.warning("model '%s': warm-up skipped: %s", self.name, e)
             return
@@ -175,11 +176,13 @@ class TensorModel:
             feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
         return feeds
 
-    def _timed_run(self, length: int, rows: int) -> float:
-        feeds = self._feeds(rows, length)
-        t0 = time.perf_counter()
-        self.runtime.run(0, feeds)
-        return time.perf_counter() - t0
+    def _batch_of(self, length: int, rows: int) -> None:
+        """One batch of `rows` one-row requests through the batch step (stacking, onnxruntime, splitting)."""
+        one = self._feeds(1, length)
+        names = [o.name for o in self.outputs]
+        unused = cast("asyncio.Future[Any]", None)  # the batch step reads payloads only
+        item = partial(WorkItem, rows=1, length=self._length(one), payload=(one, names, self._group(one)))
+        self._run_batch([item(future=unused) for _ in range(rows)], 0)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         if self.sequence_axis is None:

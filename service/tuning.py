@@ -1,14 +1,14 @@
 """Batching settings from a tensor model's measured cost on this machine (docs/configuration.md, "Tuned
 batching").
 
-A batch's time is modelled as `fixed + per_token x padded tokens`, fitted to a sweep of batch sizes run
-at start and refitted to the batches served. With the measured cost of handing a request to an
-instance's thread, it decides what config.json leaves unsaid:
+A batch's time as served (from the event loop to an instance's thread and back) is modelled as
+`fixed + per_token x padded tokens`, fitted to a sweep of batch sizes run at start and refitted to the
+batches served. With the measured cost of the hand-off alone, it decides what config.json leaves unsaid:
 
 - `inline_max_tokens`: a request on an idle server is computed on the event loop's own thread only when
   its predicted time is far below (half) the cost of handing it to an instance's thread;
-- `token_budget`: the padded tokens at which a batch's throughput, its fixed cost and the hand-off
-  included, reaches 90 % of what larger batches reach: beyond it they only add latency;
+- `token_budget`: the padded tokens at which a batch's throughput, its fixed cost included, reaches
+  97 % of what larger batches reach: beyond it they only add latency;
 - `max_queue_delay_ms`: one batch's fixed cost, the most that waiting for one more request can save; and
   a partial batch waits at all only while requests arrive faster than that (`Pacing`).
 
@@ -30,10 +30,10 @@ from typing import Any
 
 from service.repository import BatchingConfig
 
-__all__ = ["TUNED", "CostModel", "Pacing", "Tuning", "handoff_seconds", "sweep", "tune"]
+__all__ = ["TUNED", "CostModel", "Pacing", "Tuning", "handoff_seconds", "served_seconds", "sweep", "tune"]
 
 TUNED = ("inline_max_tokens", "token_budget", "max_queue_delay_ms")
-FLAT = 0.9  # the budget: where throughput reaches this share of what larger batches reach
+FLAT = 0.97  # the budget: where throughput reaches this share of what larger batches reach
 INLINE_SHARE = 0.5  # computed on the event loop only when that costs less than this share of a hand-off
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
 REFIT_EVERY = 32  # served batches between refits
@@ -100,26 +100,28 @@ def sweep(run: Callable[[int], float], length: int, max_rows: int) -> list[tuple
     return points
 
 
-def handoff_seconds(executor: Executor, n: int = 20, pause: float = 0.002) -> float:
-    """Median time for an event loop to hand a no-op to an instance's thread and have the answer back, as
-    an idle server does (a pause before each, so the threads have gone to sleep): the cost that computing
-    a request on the event loop itself saves. Measured on a loop of its own, in a thread of its own."""
+def served_seconds(executor: Executor, batch: Callable[[], object], pause: float = 0.002) -> float:
+    """Seconds for an event loop to have `batch` run on an instance's thread and get its result back, after
+    a pause (so the threads have gone to sleep, as between requests): a batch's cost as served, not as
+    onnxruntime alone sees it. Measured on a loop of its own, in a thread of its own."""
 
     async def measure() -> float:
-        loop = asyncio.get_running_loop()
-        times = []
-        for _ in range(n):
-            await asyncio.sleep(pause)
-            t0 = time.perf_counter()
-            await loop.run_in_executor(executor, _nothing)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        await asyncio.sleep(pause)
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(executor, batch)
+        return time.perf_counter() - t0
 
     result: list[float] = []
     thread = threading.Thread(target=lambda: result.append(asyncio.run(measure())))
     thread.start()
     thread.join()
     return result[0]
+
+
+def handoff_seconds(executor: Executor, n: int = 15) -> float:
+    """Median cost of handing nothing to an instance's thread and back: what computing a request on the
+    event loop itself saves."""
+    return sorted(served_seconds(executor, _nothing) for _ in range(n))[n // 2]
 
 
 def _nothing() -> None: ...
@@ -149,9 +151,10 @@ def tune(
     """The settings for a model whose sweep gave `points` and whose hand-off costs `handoff` seconds."""
     changes: dict[str, Any] = {}
     reasons: dict[str, str] = {}
-    per_batch = cost.fixed + handoff  # what every batch costs beyond its tokens, when served
+    per_batch = cost.fixed  # what every batch costs beyond its tokens as served, the hand-off included
     if "inline_max_tokens" not in given:
-        room = INLINE_SHARE * handoff - cost.fixed
+        # computed on the loop, a request costs its served cost less the hand-off
+        room = INLINE_SHARE * handoff - (cost.fixed - handoff)
         tokens = int(room / cost.per_token) if room > 0 and cost.per_token > 0 else 0
         changes["inline_max_tokens"] = tokens
         reasons["inline_max_tokens"] = f"requests whose compute is below {INLINE_SHARE:g} of a hand-off"

@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--suite", action="store_true", help="run every BENCHMARKS.md target (starts its own servers)")
     parser.add_argument("--perf-analyzer", type=Path, metavar="BIN", help="cross-check with Triton's perf_analyzer")
     parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
+    parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -73,6 +74,12 @@ def main(argv: list[str]) -> int:
             f"soak: {r['requests']} requests {r['codes']}; RSS {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} MB "
             f"({r['rss_growth']:+.1%}); fds {r['fds_before']} -> {r['fds_after']}"
         )
+        return 0
+    if args.zoo:
+        from service.bench.zoo_bench import zoo_benchmark, zoo_table
+
+        print(zoo_table(zoo_benchmark(args.out, args.seconds)))
+        print(f"wrote {args.out / 'zoo.json'}, {args.out / 'zoo.md'}")
         return 0
     if args.suite:
         results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))
