@@ -8,7 +8,7 @@ batches served. With the measured cost of the hand-off alone, it decides what co
 - `inline_max_tokens`: a request on an idle server is computed on the event loop's own thread only when
   its predicted time is far below (half) the cost of handing it to an instance's thread;
 - `token_budget`: the padded tokens at which a batch's throughput, its fixed cost included, reaches
-  97 % of what larger batches reach: beyond it they only add latency;
+  99 % of what larger batches reach: beyond it they only add latency;
 - `max_queue_delay_ms`: one batch's fixed cost, the most that waiting for one more request can save; and
   a partial batch waits at all only while requests arrive faster than that (`Pacing`).
 
@@ -33,7 +33,7 @@ from service.repository import BatchingConfig
 __all__ = ["TUNED", "CostModel", "Pacing", "Tuning", "handoff_seconds", "served_seconds", "sweep", "tune"]
 
 TUNED = ("inline_max_tokens", "token_budget", "max_queue_delay_ms")
-FLAT = 0.97  # the budget: where throughput reaches this share of what larger batches reach
+FLAT = 0.99  # the budget: where throughput reaches this share of what larger batches reach
 INLINE_SHARE = 0.5  # computed on the event loop only when that costs less than this share of a hand-off
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
 REFIT_EVERY = 32  # served batches between refits

@@ -60,12 +60,12 @@ def test_the_token_budget_is_where_throughput_flattens() -> None:
     tuning = _tuned(DEAR, handoff)
     fixed, per_token = DEAR
     budget = tuning.config.token_budget
-    assert budget == math.ceil(0.97 / 0.03 * fixed / per_token)  # 539 tokens
+    assert budget == math.ceil(0.99 / 0.01 * fixed / per_token)  # 1,650 tokens
 
     def throughput(tokens: int) -> float:
         return tokens / (fixed + per_token * tokens)
 
-    assert throughput(budget) >= 0.97 / per_token * (1 - 1e-9) > throughput(budget - 20)
+    assert throughput(budget) >= 0.99 / per_token * (1 - 1e-9) > throughput(budget - 20)
     assert tuning.config.max_queue_delay_ms == pytest.approx(fixed * 1e3)
 
 
