@@ -122,7 +122,7 @@ class DynamicBatcher:
         """Batch with the tuned settings, and keep the cost model current with every batch served."""
         self.config = self.admission.config = tuning.config
         self.cost = cost
-        self.pacing = Pacing(cost if tuning.reasons.get("max_queue_delay_ms") != "config.json" else None)
+        self.pacing = Pacing(None if "max_queue_delay_ms" in tuning.given else cost)
 
     def start(self) -> None:
         self._dispatcher = asyncio.create_task(self._dispatch())

@@ -136,6 +136,7 @@ class Tuning:
     per_token_us: float
     handoff_ms: float
     reasons: dict[str, str]
+    given: frozenset[str]  # the keys config.json set
 
     def summary(self, model: str) -> str:
         said = "; ".join(f"{k} {getattr(self.config, k):g} ({why})" for k, why in self.reasons.items())
@@ -169,7 +170,7 @@ def tune(
     for key in TUNED:
         if key in given:
             reasons[key] = "config.json"
-    return Tuning(replace(config, **changes), cost.fixed * 1e3, cost.per_token * 1e6, handoff * 1e3, reasons)
+    return Tuning(replace(config, **changes), cost.fixed * 1e3, cost.per_token * 1e6, handoff * 1e3, reasons, given)
 
 
 class Pacing:
