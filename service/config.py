@@ -34,6 +34,19 @@ class ServerSettings:
     tls_key: Path | None = _setting(None, "PEM private key of --tls-cert")
     tls_client_ca: Path | None = _setting(None, "PEM CA bundle: require client certificates (mutual TLS)")
     auth_token_file: Path | None = _setting(None, "bearer tokens, one a line, for inference RPCs")
+    admin_token_file: Path | None = _setting(
+        None, "bearer tokens, one a line, for the repository RPCs (index, load, unload); inference tokens do not pass"
+    )
+    model_control_mode: str = _setting(
+        "none",
+        "none: every model loaded at start, fixed; explicit: --load-model at start, then load/unload RPCs; "
+        "poll: every model at start, and the repository re-read every --repository-poll-secs",
+        choices=("none", "explicit", "poll"),
+    )
+    repository_poll_secs: float = _setting(15.0, "poll mode: seconds between reads of the model repository")
+    load_model: tuple[str, ...] = _setting(
+        (), "explicit mode: a model to load at start (repeat the flag; '*': every model)", append=True
+    )
     grace_period: float = _setting(10.0, "seconds in-flight requests get to finish after SIGTERM")
     max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
     max_message_bytes: int = _setting(64 << 20, "largest request or response message")
@@ -68,6 +81,8 @@ def _convert(kind: str, value: str) -> Any:
         return float(value)
     if kind == "bool":
         return _parse_bool(value)
+    if kind.startswith("tuple"):  # an environment variable: comma-separated
+        return tuple(v.strip() for v in value.split(",") if v.strip())
     return value
 
 
@@ -83,6 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = str(f.type)
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.metadata.get("append"):
+            parser.add_argument(flag, action="append", default=None, help=help_text)
         else:
             parser.add_argument(
                 flag,
@@ -100,7 +117,7 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
         given = getattr(args, f.name, None)
         env = environ.get("QKV_" + f.name.upper())
         if given is not None:
-            values[f.name] = given
+            values[f.name] = tuple(given) if isinstance(given, list) else given
         elif env is not None:
             value = _convert(str(f.type), env)
             choices = f.metadata.get("choices")

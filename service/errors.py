@@ -13,9 +13,11 @@ __all__ = [
     "QUOTE_CHARS",
     "Cancelled",
     "DeadlineExceeded",
+    "FailedPrecondition",
     "Internal",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
     "ServingError",
     "Unavailable",
@@ -81,6 +83,14 @@ class DeadlineExceeded(ServingError):
 
 class Cancelled(ServingError):
     code = "CANCELLED"
+
+
+class FailedPrecondition(ServingError):
+    code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(ServingError):
+    code = "PERMISSION_DENIED"
 
 
 class Internal(ServingError):

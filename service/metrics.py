@@ -83,53 +83,55 @@ class Metrics:
         self.request_duration = Histogram(
             "qkv_request_duration_seconds",
             "Time from a request's arrival to its response",
-            ["model", "seq_len"],
+            ["model", "version", "seq_len"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_duration = Histogram(
             "qkv_queue_duration_seconds",
             "Time a request waited before its batch started",
-            ["model"],
+            ["model", "version"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.compute_duration = Histogram(
             "qkv_compute_duration_seconds",
             "Time of one batch run (one decoding step for g2p)",
-            ["model"],
+            ["model", "version"],
             buckets=COMPUTE_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(
-            "qkv_batch_size", "Rows per batch run", ["model"], buckets=BATCH_BUCKETS, registry=r
+            "qkv_batch_size", "Rows per batch run", ["model", "version"], buckets=BATCH_BUCKETS, registry=r
         )
         self.padding_ratio = Histogram(
             "qkv_batch_padding_ratio",
             "Padded tokens / total tokens of a batch run",
-            ["model"],
+            ["model", "version"],
             buckets=PADDING_BUCKETS,
             registry=r,
         )
         self.requests = Counter(
-            "qkv_requests", "Inference requests by final gRPC status", ["model", "code"], registry=r
+            "qkv_requests", "Inference requests by final gRPC status", ["model", "version", "code"], registry=r
         )
-        self.inflight = Gauge("qkv_inflight_requests", "Requests being handled", ["model"], registry=r)
-        self.queue_depth = Gauge("qkv_queue_depth", "Requests waiting in the model's queue", ["model"], registry=r)
-        self.tokens = Counter("qkv_tokens", "Tokens in and out", ["model", "direction"], registry=r)
+        self.inflight = Gauge("qkv_inflight_requests", "Requests being handled", ["model", "version"], registry=r)
+        self.queue_depth = Gauge(
+            "qkv_queue_depth", "Requests waiting in the model's queue", ["model", "version"], registry=r
+        )
+        self.tokens = Counter("qkv_tokens", "Tokens in and out", ["model", "version", "direction"], registry=r)
         self.model_info = Gauge(
             "qkv_model_info", "Served models (value 1)", ["model", "version", "provider"], registry=r
         )
         self.batch_tokens = Counter(
-            "qkv_batch_tokens", "Tokens computed in batches: real or padding", ["model", "kind"], registry=r
+            "qkv_batch_tokens", "Tokens computed in batches: real or padding", ["model", "version", "kind"], registry=r
         )
         self.dropped = Counter(
-            "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
+            "qkv_dropped_requests", "Requests dropped before compute", ["model", "version", "reason"], registry=r
         )
         self.batching_setting = Gauge(
             "qkv_batching_setting",
             "A tensor model's batching setting in force (tuned from its measured cost, or from config.json)",
-            ["model", "setting"],
+            ["model", "version", "setting"],
             registry=r,
         )
         if not enabled:
@@ -142,22 +144,29 @@ class Metrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)
 
-    def observer(self, model: str) -> ModelObserver:
-        return ModelObserver(self, model)
+    def observer(self, model: str, version: str) -> ModelObserver:
+        return ModelObserver(self, model, version)
+
+    def forget(self, model: str, version: str) -> None:
+        """Drop every series of one model version (unloaded): series never outlive what they describe."""
+        for metric in vars(self).values():
+            if isinstance(metric, Counter | Gauge | Histogram):
+                metric.remove_by_labels({"model": model, "version": version})
 
 
 class ModelObserver:
-    """The batchers' `BatchObserver` for one model, with its label children bound once."""
+    """The batchers' `BatchObserver` for one model version, with its label children bound once."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
-        self._depth = metrics.queue_depth.labels(model)
-        self._queue = metrics.queue_duration.labels(model)
-        self._compute = metrics.compute_duration.labels(model)
-        self._size = metrics.batch_size.labels(model)
-        self._padding = metrics.padding_ratio.labels(model)
-        self._dropped = {r: metrics.dropped.labels(model, r) for r in ("cancelled", "deadline")}
-        self._real = metrics.batch_tokens.labels(model, "real")
-        self._pad = metrics.batch_tokens.labels(model, "padding")
+    def __init__(self, metrics: Metrics, model: str, version: str) -> None:
+        labels = (model, version)
+        self._depth = metrics.queue_depth.labels(*labels)
+        self._queue = metrics.queue_duration.labels(*labels)
+        self._compute = metrics.compute_duration.labels(*labels)
+        self._size = metrics.batch_size.labels(*labels)
+        self._padding = metrics.padding_ratio.labels(*labels)
+        self._dropped = {r: metrics.dropped.labels(*labels, r) for r in ("cancelled", "deadline")}
+        self._real = metrics.batch_tokens.labels(*labels, "real")
+        self._pad = metrics.batch_tokens.labels(*labels, "padding")
 
     def queue_depth(self, requests: int) -> None:
         self._depth.set(requests)

@@ -22,9 +22,9 @@ from service.admission import WorkItem
 from service.batching import DynamicBatcher
 from service.codec import NUMPY_DTYPES, datatype_of
 from service.errors import InvalidArgument, quote
-from service.generation import Hypothesis
+from service.generation import Hypothesis, greedy_decode
 from service.metrics import ModelObserver
-from service.repository import ModelConfig
+from service.repository import ModelConfig, RepositoryError
 from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.scheduler import GenerationScheduler, WordsRequest
 from service.tuning import CostModel, Tuning, sweep, tune
@@ -121,6 +121,7 @@ class TensorModel:
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
+        self.answering = 0  # requests between their lookup and their answer (the server counts them)
         # Batchable when every input and output has a dynamic first axis.
         self.batchable = all(s.shape and s.shape[0] < 0 for s in [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
@@ -154,9 +155,10 @@ class TensorModel:
                 self.runtime.run(instance, feeds)
             rows = self.max_batch_size if self.batchable else 1
             points = sweep(lambda n: self.batcher.served_seconds(partial(self._batch_of, length, n)), tokens, rows)
-        except Exception as e:  # a graph that inputs of ones cannot feed: serve untuned, measure later
-            log.warning("model '%s': warm-up skipped: %s", self.name, e)
-            return
+        except Exception as e:  # onnxruntime's own exception types: a graph that cannot run is not served
+            raise RepositoryError(
+                f"model '{self.name}' version {self.version}: warm-up failed (inputs of ones, length {length}): {e}"
+            ) from e
         cost = CostModel.fit(points)
         tuning = tune(self.batcher.config, self.config.batching_given, points, self.batcher.handoff_seconds(), cost)
         self.tuning = tuning
@@ -164,6 +166,17 @@ class TensorModel:
         log.info("batching %s", tuning.summary(self.name))
         best_tokens, best_seconds = max(points, key=lambda p: p[0] / p[1] if p[1] > 0 else 0.0)
         self.admission.seed(best_tokens, best_seconds)
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def close(self) -> None:
+        """Take no new requests; return once the queued and running ones are answered."""
+        await self.batcher.close()
+
+    def release(self) -> None:
+        """Free the sessions (after `close`): their memory goes when the last reference does."""
+        self.runtime.sessions.clear()
 
     def _feeds(self, rows: int, length: int) -> dict[str, np.ndarray]:
         feeds = {}
@@ -333,8 +346,31 @@ class G2PModel:
         self.max_beam_size = int(limits.get("max_beam_size", 8))
         self.max_batch_size = config.batching.max_batch_size
         self.stats = ModelStats()
+        self.answering = 0  # requests between their lookup and their answer (the server counts them)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
         self.admission = self.scheduler.admission
+
+    def warm_up(self) -> None:
+        """One word decoded on each instance before serving: graphs that load but cannot run are refused
+        here, and onnxruntime's first runs (which allocate) happen before any request waits on them."""
+        try:
+            source = [self.graphemes.encode("warm")]
+            for instance in self.runtime.instances:
+                greedy_decode(instance, source, self.max_output_length)
+        except Exception as e:  # onnxruntime's own exception types
+            raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    async def close(self) -> None:
+        """Take no new requests; return once the queued and decoding words are answered."""
+        await self.scheduler.close()
+
+    def release(self) -> None:
+        """Free the sessions (after `close`)."""
+        self.runtime.instances.clear()
+        self.scheduler.models.clear()
 
     def words(self, text: np.ndarray) -> list[list[str]]:
         """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""

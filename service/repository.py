@@ -3,20 +3,32 @@
     models/NAME/config.json      kind, batching, instances, limits, model card (all optional)
     models/NAME/1/model.onnx     a tensor model (inputs and outputs read from the graph)
     models/NAME/1/encoder.onnx   ... or the g2p kind's graphs and vocabularies
+    models/NAME/2/...            another version
 
-The newest (highest numbered) version is served.
+Which versions are served is the model's version policy (config.json "version_policy", Triton's
+names): the newest one by default, the N newest, all, or specific ones.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from service.metrics import UNKNOWN_MODEL
 
-__all__ = ["BatchingConfig", "ModelConfig", "RepositoryError", "load_model_config", "load_repository"]
+__all__ = [
+    "BatchingConfig",
+    "ModelConfig",
+    "RepositoryError",
+    "VersionPolicy",
+    "fingerprint",
+    "load_model",
+    "load_model_config",
+    "load_repository",
+    "model_directories",
+]
 
 KINDS = ("tensor", "g2p")
 
@@ -47,6 +59,51 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True)
+class VersionPolicy:
+    """Which numbered versions of a model are served (config.json "version_policy", as Triton writes it):
+    {"latest": {"num_versions": N}}, {"all": {}} or {"specific": {"versions": [1, 3]}}."""
+
+    kind: str = "latest"
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> VersionPolicy:
+        if not isinstance(raw, dict) or len(raw) != 1:
+            raise RepositoryError(f"{where}: version_policy must be one of latest, all or specific, got {raw!r}")
+        [(kind, body)] = raw.items()
+        body = body or {}
+        if kind == "latest" and isinstance(body, dict):
+            n = body.get("num_versions", 1)
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                return cls("latest", num_versions=n)
+        elif kind == "all" and isinstance(body, dict) and not body:
+            return cls("all")
+        elif kind == "specific" and isinstance(body, dict):
+            versions = body.get("versions")
+            if isinstance(versions, list) and versions and all(isinstance(v, int) and v >= 0 for v in versions):
+                return cls("specific", versions=tuple(sorted(set(versions))))
+        raise RepositoryError(
+            f"{where}: version_policy {raw!r} is not {{'latest': {{'num_versions': N >= 1}}}}, {{'all': {{}}}} "
+            "or {'specific': {'versions': [numbers]}}"
+        )
+
+    def choose(self, available: list[int], where: str) -> list[int]:
+        """The versions to serve, oldest first, from the numbered directories `available`."""
+        ordered = sorted(available)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "latest":
+            return ordered[-self.num_versions :]
+        missing = sorted(set(self.versions) - set(ordered))
+        if missing:
+            raise RepositoryError(
+                f"{where}: version_policy names version(s) {missing} that have no directory (present: {ordered})"
+            )
+        return list(self.versions)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     kind: str
@@ -62,6 +119,11 @@ class ModelConfig:
     limits: dict[str, Any] = field(default_factory=dict)  # per kind: lengths, sizes, vocab_size per input
     card: dict[str, Any] = field(default_factory=dict)
     batching_given: frozenset[str] = frozenset()  # the batching keys config.json set: tuning leaves them
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    # Tensor models: what the graph's inputs and outputs must be ({"name", "datatype", "shape"}, -1 for a
+    # dynamic dimension); a version whose graph differs is refused.
+    inputs: tuple[dict[str, Any], ...] = ()
+    outputs: tuple[dict[str, Any], ...] = ()
 
 
 def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -72,27 +134,31 @@ def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
     return values
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
+def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str, Any] | None = None) -> ModelConfig:
+    """The configuration of one version of the model in `model_dir` (the newest when `version` is None).
+
+    `raw`: a parsed config.json to use instead of the file (a load request may carry one)."""
     name = model_dir.name
     if name == UNKNOWN_MODEL:
         raise RepositoryError(
             f"model '{name}': the name is reserved (the metrics count requests for models the server does "
             "not have under it); rename the directory"
         )
-    versions = [p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    if not versions:
+    numbered = available_versions(model_dir)
+    if not numbered:
         raise RepositoryError(f"model '{name}': no numbered version directory in {model_dir}")
-    version = max(versions, key=lambda p: int(p.name))
-    raw: dict[str, Any] = {}
+    chosen = version if version is not None else str(max(numbered))
     config_path = model_dir / "config.json"
-    if config_path.exists():
-        try:
-            raw = json.loads(config_path.read_text())
-        except ValueError as e:
-            raise RepositoryError(f"model '{name}': {config_path} is not valid JSON: {e}") from e
+    where = f"model '{name}'"
+    if raw is None:
+        raw = read_config(config_path, where)
+    elif not isinstance(raw, dict):
+        raise RepositoryError(f"{where}: the configuration must be a JSON object, got {type(raw).__name__}")
     kind = raw.get("kind", "tensor")
     if kind not in KINDS:
-        raise RepositoryError(f"model '{name}': unknown kind '{kind}' (one of {', '.join(KINDS)})")
+        raise RepositoryError(f"{where}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
+    if not isinstance(raw.get("batching", {}), dict):
+        raise RepositoryError(f"{where}: {config_path}: batching must be a JSON object")
     batching = dict(raw.get("batching", {}))
     if "max_batch_size" in raw:
         batching.setdefault("max_batch_size", raw["max_batch_size"])
@@ -103,26 +169,93 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         if k in raw
     }  # fmt: skip
     if settings.get("precision", "fp32") not in PRECISIONS:
-        raise RepositoryError(
-            f"model '{name}': unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})"
+        raise RepositoryError(f"{where}: unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})")
+    inputs = tuple(_tensor_declarations(raw["inputs"], f"{where} inputs")) if "inputs" in raw else ()
+    outputs = tuple(_tensor_declarations(raw["outputs"], f"{where} outputs")) if "outputs" in raw else ()
+    policy = VersionPolicy()
+    if "version_policy" in raw:
+        policy = VersionPolicy.parse(raw["version_policy"], where)
+    try:
+        return ModelConfig(
+            name=name,
+            kind=kind,
+            version=chosen,
+            directory=model_dir / chosen,
+            batching=BatchingConfig(**_typed(BatchingConfig, batching, f"{where} batching")),
+            card=raw.get("model_card", {}),
+            batching_given=frozenset(batching),
+            version_policy=policy,
+            inputs=inputs,
+            outputs=outputs,
+            **settings,
         )
-    return ModelConfig(
-        name=name,
-        kind=kind,
-        version=version.name,
-        directory=version,
-        batching=BatchingConfig(**_typed(BatchingConfig, batching, f"model '{name}' batching")),
-        card=raw.get("model_card", {}),
-        batching_given=frozenset(batching),
-        **settings,
+    except TypeError as e:  # a setting of the wrong type, e.g. "batching": [] or "limits": 3
+        raise RepositoryError(f"{where}: {config_path}: {e}") from None
+
+
+def read_config(path: Path, where: str) -> dict[str, Any]:
+    """config.json parsed ({} when there is none), or a RepositoryError naming the file and the problem."""
+    if not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise RepositoryError(f"{where}: {path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise RepositoryError(f"{where}: {path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def _tensor_declarations(raw: Any, where: str) -> list[dict[str, Any]]:
+    ok = isinstance(raw, list) and all(
+        isinstance(d, dict)
+        and isinstance(d.get("name"), str)
+        and isinstance(d.get("datatype"), str)
+        and isinstance(d.get("shape"), list)
+        and all(isinstance(n, int) for n in d["shape"])
+        for d in raw
     )
+    if not ok:
+        raise RepositoryError(f'{where}: expected a list of {{"name": ..., "datatype": ..., "shape": [...]}}')
+    return list(raw)
 
 
-def load_repository(root: Path) -> list[ModelConfig]:
+def available_versions(model_dir: Path) -> list[int]:
+    """The numbered version directories of a model."""
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def load_model(model_dir: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
+    """The configurations of the versions the model's version policy serves, oldest first."""
+    newest = load_model_config(model_dir, raw=raw)
+    chosen = newest.version_policy.choose(available_versions(model_dir), f"model '{newest.name}'")
+    return [replace(newest, version=str(v), directory=model_dir / str(v)) for v in chosen]
+
+
+def model_directories(root: Path) -> dict[str, Path]:
+    """Model name -> its directory, for every model of the repository."""
     root = Path(root)
     if not root.is_dir():
         raise RepositoryError(f"model repository {root} is not a directory")
-    models = [load_model_config(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")}
+
+
+def fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """What changes when a file under `path` (or `path` itself) is written, added or removed."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:  # removed while being read: the next poll sees the change
+            continue
+        out.append((str(f.relative_to(path.parent)), st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+def load_repository(root: Path) -> list[ModelConfig]:
+    """Every served version of every model of the repository."""
+    models = [config for d in model_directories(root).values() for config in load_model(d)]
     if not models:
         raise RepositoryError(f"model repository {root} holds no models")
     return models

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -71,6 +72,25 @@ def _session(path: Path, config: ModelConfig, providers: list[str]) -> ort.Infer
         raise RepositoryError(f"model '{config.name}': cannot load {path}: {e}") from e
 
 
+def _check_declared(
+    config: ModelConfig, what: str, declared: tuple[dict[str, Any], ...], graph: list[TensorSpec], path: Path
+) -> None:
+    """Refuse a graph whose inputs or outputs are not those config.json declares (when it declares them)."""
+    if not declared:
+        return
+    found = {s.name: (s.datatype, list(s.shape)) for s in graph}
+    wanted = {d["name"]: (d["datatype"], list(d["shape"])) for d in declared}
+    if found != wanted:
+        raise RepositoryError(
+            f"model '{config.name}' version {config.version}: {path} has {what} {_listing(found)}; "
+            f"config.json declares {_listing(wanted)}"
+        )
+
+
+def _listing(specs: dict[str, tuple[str, list[int]]]) -> str:
+    return ", ".join(f"{name} {datatype} {shape}" for name, (datatype, shape) in sorted(specs.items()))
+
+
 class TensorRuntime:
     """A plain ONNX graph, `config.instances` sessions of it."""
 
@@ -83,6 +103,8 @@ class TensorRuntime:
         self.provider = self.sessions[0].get_providers()[0]
         self.inputs = _specs(self.sessions[0].get_inputs())
         self.outputs = _specs(self.sessions[0].get_outputs())
+        _check_declared(config, "inputs", config.inputs, self.inputs, path)
+        _check_declared(config, "outputs", config.outputs, self.outputs, path)
 
     def run(self, instance: int, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
         names = outputs or [o.name for o in self.outputs]

@@ -21,10 +21,14 @@ from cryptography.hazmat.primitives import serialization
 from service import protocol
 from service.config import ServerSettings
 
-__all__ = ["OPEN_METHODS", "TokenAuth", "bearer_tokens", "server_credentials"]
+__all__ = ["OPEN_METHODS", "REPOSITORY_METHODS", "TokenAuth", "bearer_tokens", "server_credentials"]
 
 # The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
 OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
+# With --admin-token-file, these take an admin token and no other.
+REPOSITORY_METHODS = frozenset(
+    f"/{protocol.SERVICE_NAME}/{m}" for m in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+)
 
 
 def _digest(token: bytes) -> bytes:
@@ -32,19 +36,30 @@ def _digest(token: bytes) -> bytes:
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+    """Bearer tokens on the inference service; health and reflection stay open for probes.
 
-    def __init__(self, tokens: list[str]) -> None:
+    `tokens` pass the inference RPCs (every RPC when empty); `admin` tokens, when given, are the only
+    ones that pass the repository RPCs."""
+
+    def __init__(self, tokens: list[str], admin: list[str] | None = None) -> None:
         # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
         self.tokens = [_digest(t.encode()) for t in tokens]
+        self.admin = [_digest(t.encode()) for t in admin or []]
 
-    def _allowed(self, metadata: Any) -> bool:
+    @staticmethod
+    def _offered(metadata: Any) -> bytes | None:
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = _digest(value[7:].strip().encode())
-                # compare against every token, so the time taken says nothing about which matched
-                return any([hmac.compare_digest(offered, t) for t in self.tokens])
-        return False
+                return _digest(value[7:].strip().encode())
+        return None
+
+    def _allowed(self, method: str, metadata: Any) -> bool:
+        wanted = self.admin if self.admin and method in REPOSITORY_METHODS else self.tokens
+        if not wanted:  # admin tokens only: the other RPCs are open
+            return True
+        offered = self._offered(metadata)
+        # compare against every token, so the time taken says nothing about which matched
+        return offered is not None and any([hmac.compare_digest(offered, t) for t in wanted])
 
     async def intercept_service(
         self,
@@ -53,13 +68,14 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         if details.method in OPEN_METHODS or not details.method.startswith(f"/{protocol.SERVICE_NAME}/"):
             return await continuation(details)
-        if self._allowed(details.invocation_metadata):
+        if self._allowed(details.method, details.invocation_metadata):
             return await continuation(details)
+        which = "admin " if self.admin and details.method in REPOSITORY_METHODS else ""
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                "missing or invalid bearer token (send metadata 'authorization: Bearer TOKEN')",
+                f"missing or invalid {which}bearer token (send metadata 'authorization: Bearer TOKEN')",
             )
 
         method = protocol.SERVICE.methods_by_name.get(details.method.rsplit("/", 1)[-1])
@@ -75,17 +91,18 @@ def _read(path: Path, what: str) -> bytes:
         raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
 
 
-def bearer_tokens(s: ServerSettings) -> list[str]:
-    """The bearer tokens of --auth-token-file, one a line (blank lines skipped)."""
-    if not s.auth_token_file:
+def bearer_tokens(path: Path | None) -> list[str]:
+    """The bearer tokens of a token file (--auth-token-file, --admin-token-file), one a line (blank lines
+    skipped); [] without one."""
+    if not path:
         return []
     try:
-        text = _read(s.auth_token_file, "token file").decode()
+        text = _read(path, "token file").decode()
     except UnicodeDecodeError as e:
-        raise SystemExit(f"qkv: token file {s.auth_token_file} is not UTF-8 text (byte {e.start})") from None
+        raise SystemExit(f"qkv: token file {path} is not UTF-8 text (byte {e.start})") from None
     tokens = [t.strip() for t in text.splitlines() if t.strip()]
     if not tokens:
-        raise SystemExit(f"qkv: token file {s.auth_token_file} holds no token")
+        raise SystemExit(f"qkv: token file {path} holds no token")
     return tokens
 
 

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from functools import partial
+from ipaddress import ip_address
 from typing import Any
 
 import grpc
@@ -26,42 +26,42 @@ from grpc_reflection.v1alpha import reflection
 from service import __version__, logs, priority, protocol
 from service.codec import decode_tensor, fill_output
 from service.config import ServerSettings
-from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, clip, quote
+from service.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ServingError,
+    Unavailable,
+    clip,
+    quote,
+)
 from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
-from service.models import G2PModel, ModelStats, TensorModel
-from service.repository import RepositoryError, load_repository
-from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.models import ModelStats, TensorModel
+from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelRegistry
+from service.repository import RepositoryError
 from service.security import TokenAuth, bearer_tokens, server_credentials
 
-__all__ = ["Server", "load_models", "serve"]
+__all__ = ["Server", "serve"]
 
 log = logging.getLogger("qkv.server")
 
-Model = TensorModel | G2PModel
 HEALTH_SERVICE = "grpc.health.v1.Health"
 MAX_ELEMENTS = 1 << 24
 SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
-BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
 MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
 
 
-def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
-    providers = choose_providers(settings.device)
-    models: dict[str, Model] = {}
-    for config in load_repository(settings.model_repository):
-        observer = metrics.observer(config.name)
-        if config.kind == "g2p":
-            g2p = priority.run_lowered(partial(G2PRuntime, config, providers))
-            models[config.name] = G2PModel(config, g2p, observer)
-        else:
-            tensor = priority.run_lowered(partial(TensorRuntime, config, providers))
-            models[config.name] = TensorModel(config, tensor, observer)
-        m = models[config.name]
-        metrics.model_info.labels(m.name, m.version, m.provider).set(1)
-    return models
+def _loopback(host: str) -> bool:
+    """Whether the server listens on loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _parameters(params: Any) -> dict[str, Any]:
@@ -82,15 +82,10 @@ class InferenceService:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.models = server.models
+        self.registry = server.registry
 
     def _model(self, name: str, version: str = "") -> Model:
-        model = self.models.get(name)
-        if model is None:
-            raise NotFound(f"unknown model {quote(name)} (served: {', '.join(sorted(self.models))})")
-        if version and version != model.version:
-            raise NotFound(f"model '{name}' has no version {quote(version)} (served: {model.version})")
-        return model
+        return self.registry.get(name, version)
 
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return protocol.ServerLiveResponse(live=True)
@@ -101,7 +96,7 @@ class InferenceService:
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._model(request.name, request.version)
-        except NotFound:
+        except ServingError:
             return protocol.ModelReadyResponse(ready=False)
         return protocol.ModelReadyResponse(ready=not self.server.draining)
 
@@ -115,7 +110,7 @@ class InferenceService:
         tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
         return protocol.ModelMetadataResponse(
             name=m.name,
-            versions=[m.version],
+            versions=[v.version for v in self.registry.versions(m.name)],
             platform=f"onnxruntime_onnx:{m.provider}" if m.kind == "tensor" else f"qkv_g2p:{m.provider}",
             inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.inputs],
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.outputs],
@@ -163,10 +158,12 @@ class InferenceService:
         return protocol.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.name:
+        if request.version:
             chosen = [await self._call(context, self._model, request.name, request.version)]
+        elif request.name:
+            chosen = await self._call(context, self.registry.versions, request.name)
         else:
-            chosen = list(self.models.values())
+            chosen = self.registry.served()
         response = protocol.ModelStatisticsResponse()
         for m in chosen:
             s: ModelStats = m.stats
@@ -191,11 +188,64 @@ class InferenceService:
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = protocol.RepositoryIndexResponse()
-        for m in self.models.values():
-            response.models.add(
-                name=m.name, version=m.version, state="READY" if not self.server.draining else "UNAVAILABLE"
-            )
+        for row in self.registry.index(ready_only=request.ready):
+            state = UNAVAILABLE if self.server.draining and row.state == READY else row.state
+            response.models.add(name=row.name, version=row.version, state=state, reason=row.reason)
         return response
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call_async(context, self._load, request)
+        return protocol.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call_async(context, self._unload, request)
+        return protocol.RepositoryModelUnloadResponse()
+
+    async def _load(self, request: Any) -> None:
+        self._may_change_repository(request.repository_name)
+        raw = None
+        for key, value in _parameters(request.parameters).items():
+            if key != "config":
+                raise InvalidArgument(
+                    f"load parameter {quote(key)} is not supported: qkv loads model files from its repository; "
+                    "'config' (a config.json as a string) is the one parameter"
+                )
+            try:
+                raw = json.loads(value)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"load parameter 'config' is not JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise InvalidArgument(f"load parameter 'config' must be a JSON object, got {type(raw).__name__}")
+        await self.registry.load(request.model_name, raw)
+
+    async def _unload(self, request: Any) -> None:
+        self._may_change_repository(request.repository_name)
+        await self.registry.unload(request.model_name)
+
+    def _may_change_repository(self, repository: str) -> None:
+        """Load and unload: only with model control on, and, without an admin token, only from loopback
+        (docs/security.md)."""
+        s = self.server.settings
+        if self.server.draining:
+            raise Unavailable("the server is shutting down")
+        if repository:
+            raise InvalidArgument(f"unknown repository {quote(repository)}: qkv serves one, named ''")
+        if s.model_control_mode == "none":
+            raise FailedPrecondition(
+                "model control is off: start the server with --model-control-mode explicit (or poll) to load and "
+                "unload models"
+            )
+        if not s.admin_token_file and not _loopback(s.host):
+            raise PermissionDenied(
+                f"loading and unloading models needs --admin-token-file when the server listens on {s.host}, "
+                "beyond loopback"
+            )
+
+    async def _call_async(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except ServingError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -284,7 +334,8 @@ class InferenceService:
             if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
                 raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
             model = self._model(request.model_name, request.model_version)
-            metrics.inflight.labels(model.name).inc()
+            model.answering += 1  # an unloaded version's series go once this is back to 0
+            metrics.inflight.labels(model.name, model.version).inc()
             if server.draining:
                 raise Unavailable("the server is shutting down")
             server.active += 1
@@ -299,8 +350,8 @@ class InferenceService:
             finally:
                 server.active -= 1
             seq_len = result.seq_len
-            metrics.tokens.labels(model.name, "input").inc(result.tokens_in)
-            metrics.tokens.labels(model.name, "output").inc(result.tokens_out)
+            metrics.tokens.labels(model.name, model.version, "input").inc(result.tokens_in)
+            metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
             response = protocol.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
             for name, array in result.outputs.items():
                 response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
@@ -313,8 +364,10 @@ class InferenceService:
             raise
         finally:
             seconds = time.perf_counter() - start
+            label, version = UNKNOWN_MODEL, ""
             if model is not None:
-                metrics.inflight.labels(model.name).dec()
+                label, version = model.name, model.version
+                metrics.inflight.labels(model.name, model.version).dec()
                 model_name = model.name
                 stats = model.stats
                 if code == "OK":
@@ -323,13 +376,16 @@ class InferenceService:
                 else:
                     stats.fail_count += 1
                     stats.fail_ns += int(seconds * 1e9)
-            label = model_name if model_name in self.models else UNKNOWN_MODEL
-            metrics.requests.labels(label, code).inc()
+            elif request.model_name in self.registry.models:  # a model of the repository: its version unknown
+                label = request.model_name
+            metrics.requests.labels(label, version, code).inc()
             if code == "OK":
-                metrics.request_duration.labels(label, seq_len_bucket(seq_len)).observe(seconds)
+                metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds)
             if server.settings.access_log:  # one JSON line, whatever the client's strings hold
                 line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
+            if model is not None:
+                model.answering -= 1
         return outcome
 
     def _decode(self, request: Any) -> dict[str, np.ndarray]:
@@ -351,10 +407,11 @@ class Server:
         self.settings = settings
         # TLS files and tokens first: a bad one stops the start before any model loads.
         self._credentials = server_credentials(settings)
-        self._tokens = bearer_tokens(settings)
+        self._tokens = bearer_tokens(settings.auth_token_file)
+        self._admin_tokens = bearer_tokens(settings.admin_token_file)
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
-        self.models = load_models(settings, self.metrics)
+        self.registry = ModelRegistry(settings, self.metrics, self._model_changed)
         self.draining = False
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
@@ -382,10 +439,18 @@ class Server:
             ]
         return options
 
+    async def _model_changed(self, name: str, ready: bool) -> None:
+        if not self.draining:
+            status = health_pb2.HealthCheckResponse
+            await self.health.set(name, status.SERVING if ready else status.NOT_SERVING)
+
     async def start(self) -> None:
+        """Models first (a model that fails to load stops the start), then the ports."""
         s = self.settings
+        await self.registry.start()
         credentials = self._credentials
-        interceptors = [TokenAuth(self._tokens)] if self._tokens else []
+        tokens, admin = self._tokens, self._admin_tokens
+        interceptors = [TokenAuth(tokens, admin)] if tokens or admin else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -405,16 +470,8 @@ class Server:
                 self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port)
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
-        for m in self.models.values():
-            if isinstance(m, TensorModel):
-                m.warm_up()
-                for key in BATCHING_SHOWN:
-                    self.metrics.batching_setting.labels(m.name, key).set(float(getattr(m.batcher.config, key)))
-                m.batcher.start()
-            else:
-                m.scheduler.start()
         await server.start()
-        for name in ["", *self.models]:
+        for name in ["", *self.registry.ready_names()]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def drain(self) -> None:
@@ -432,8 +489,7 @@ class Server:
             log.warning("grace period over with %d requests still running", self.active)
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
-        for m in self.models.values():
-            await (m.batcher if isinstance(m, TensorModel) else m.scheduler).close()
+        await self.registry.close()
 
     async def wait(self) -> None:
         if self._grpc is not None:
@@ -454,10 +510,10 @@ async def _serve(settings: ServerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.models.values())
+    models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.registry.served())
     log.info("settings: %s", settings.summary())
     print(
-        f"qkv {__version__} serving {models} on grpc {settings.host}:{server.grpc_port} metrics "
+        f"qkv {__version__} serving {models or 'no models'} on grpc {settings.host}:{server.grpc_port} metrics "
         f"{settings.metrics_host or settings.host}:{server.metrics_port}",
         flush=True,
     )

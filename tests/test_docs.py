@@ -96,7 +96,7 @@ def documented(rows: list[Row]) -> dict[str, Row]:
 
 def rendered(value: Any) -> str | None:
     """A default as the reference writes it (None: written as the word none)."""
-    if value is None:
+    if value is None or value == ():  # an empty list of names or declarations: none
         return None
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -173,6 +173,8 @@ def _other_value(name: str, default: Any) -> tuple[str, Any]:
     if choices:
         value = next(c for c in choices if c != default)
         return value, value
+    if isinstance(default, tuple):  # a list of names: the variable separates them with commas
+        return "one,other", ("one", "other")
     return "elsewhere", Path("elsewhere") if isinstance(default, Path) or default is None else "elsewhere"
 
 

@@ -57,6 +57,10 @@ __all__ = [
     "ModelStreamInferResponse",
     "RepositoryIndexRequest",
     "RepositoryIndexResponse",
+    "RepositoryModelLoadRequest",
+    "RepositoryModelLoadResponse",
+    "RepositoryModelUnloadRequest",
+    "RepositoryModelUnloadResponse",
     "ServerLiveRequest",
     "ServerLiveResponse",
     "ServerMetadataRequest",
@@ -143,6 +147,10 @@ StatisticDuration = message_class("StatisticDuration")
 # Triton extension: model repository
 RepositoryIndexRequest = message_class("RepositoryIndexRequest")
 RepositoryIndexResponse = message_class("RepositoryIndexResponse")
+RepositoryModelLoadRequest = message_class("RepositoryModelLoadRequest")
+RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
+RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
+RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
 
 
 class DataType(enum.IntEnum):
@@ -263,6 +271,8 @@ class Stub:
     ModelConfig: Any
     ModelStatistics: Any
     RepositoryIndex: Any
+    RepositoryModelLoad: Any
+    RepositoryModelUnload: Any
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         for method in SERVICE.methods:

@@ -44,20 +44,24 @@ def exporter() -> Iterator[int]:
     latency = Histogram(
         "qkv_request_duration_seconds",
         "request",
-        ["model", "seq_len"],
+        ["model", "version", "seq_len"],
         registry=reg,
         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
     )
-    queue = Histogram("qkv_queue_duration_seconds", "queue", ["model"], registry=reg)
-    compute = Histogram("qkv_compute_duration_seconds", "compute", ["model"], registry=reg)
-    batch = Histogram("qkv_batch_size", "batch", ["model"], registry=reg, buckets=(1, 2, 4, 8, 16, 32, 64))
+    queue = Histogram("qkv_queue_duration_seconds", "queue", ["model", "version"], registry=reg)
+    compute = Histogram("qkv_compute_duration_seconds", "compute", ["model", "version"], registry=reg)
+    batch = Histogram("qkv_batch_size", "batch", ["model", "version"], registry=reg, buckets=(1, 2, 4, 8, 16, 32, 64))
     padding = Histogram(
-        "qkv_batch_padding_ratio", "padding", ["model"], registry=reg, buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+        "qkv_batch_padding_ratio",
+        "padding",
+        ["model", "version"],
+        registry=reg,
+        buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0),
     )
-    requests = Counter("qkv_requests", "requests", ["model", "code"], registry=reg)
-    inflight = Gauge("qkv_inflight_requests", "inflight", ["model"], registry=reg)
-    depth = Gauge("qkv_queue_depth", "queue depth", ["model"], registry=reg)
-    tokens = Counter("qkv_tokens", "tokens", ["model", "direction"], registry=reg)
+    requests = Counter("qkv_requests", "requests", ["model", "version", "code"], registry=reg)
+    inflight = Gauge("qkv_inflight_requests", "inflight", ["model", "version"], registry=reg)
+    depth = Gauge("qkv_queue_depth", "queue depth", ["model", "version"], registry=reg)
+    tokens = Counter("qkv_tokens", "tokens", ["model", "version", "direction"], registry=reg)
     info = Gauge("qkv_model_info", "model", ["model", "version", "provider"], registry=reg)
     for model in ("g2p", "g2p_encoder"):
         info.labels(model, "1", "CPUExecutionProvider").set(1)
@@ -70,16 +74,16 @@ def exporter() -> Iterator[int]:
         while not stop.is_set():
             for model in ("g2p", "g2p_encoder"):
                 for seq_len in SEQ_LEN_VALUES:
-                    latency.labels(model, seq_len).observe(rnd.uniform(0.001, 0.3))
-                requests.labels(model, "OK").inc(8)
-                queue.labels(model).observe(rnd.uniform(0.0, 0.01))
-                compute.labels(model).observe(rnd.uniform(0.001, 0.05))
-                batch.labels(model).observe(rnd.randint(1, 32))
-                padding.labels(model).observe(rnd.uniform(0, 0.6))
-                tokens.labels(model, "input").inc(40)
-                tokens.labels(model, "output").inc(50)
-                inflight.labels(model).set(rnd.randint(0, 4))
-                depth.labels(model).set(rnd.randint(0, 8))
+                    latency.labels(model, "1", seq_len).observe(rnd.uniform(0.001, 0.3))
+                requests.labels(model, "1", "OK").inc(8)
+                queue.labels(model, "1").observe(rnd.uniform(0.0, 0.01))
+                compute.labels(model, "1").observe(rnd.uniform(0.001, 0.05))
+                batch.labels(model, "1").observe(rnd.randint(1, 32))
+                padding.labels(model, "1").observe(rnd.uniform(0, 0.6))
+                tokens.labels(model, "1", "input").inc(40)
+                tokens.labels(model, "1", "output").inc(50)
+                inflight.labels(model, "1").set(rnd.randint(0, 4))
+                depth.labels(model, "1").set(rnd.randint(0, 8))
             stop.wait(0.1)
 
     worker = threading.Thread(target=traffic, daemon=True)

@@ -207,7 +207,7 @@ def test_answers_through_the_published_port_equal_a_local_servers(stack: Stack, 
     assert served["unary"] == local["unary"] and served["stream"] == local["unary"], (served, local)
     np.testing.assert_allclose(served["encoder"], local["encoder"], atol=1e-5)
     metrics = urllib.request.urlopen(f"http://{stack.address('qkv', 8002)}/metrics", timeout=10).read().decode()
-    assert 'qkv_requests_total{code="OK",model="g2p"}' in metrics
+    assert 'qkv_requests_total{code="OK",model="g2p",version="1"}' in metrics
 
 
 def _exec(stack: Stack, container: str, script: str) -> tuple[int, str]:

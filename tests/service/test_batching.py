@@ -256,7 +256,7 @@ def _inference_count(stub: Any, model: str) -> int:
 
 def _queued(server: RunningServer) -> float:
     """Requests waiting in g2p_encoder's queue, from the server's metrics."""
-    return scrape(server.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0)
+    return scrape(server.metrics_url).get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0)
 
 
 def _outputs(response: Any) -> np.ndarray:
@@ -342,8 +342,8 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
 
     # The expired one was refused at the door (its deadline shorter than the predicted wait) or
     # dropped from the queue; the cancelled one was dropped from the queue. Neither was computed.
-    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="%s"}'
-    refused_at_admission = grew('qkv_requests_total{code="DEADLINE_EXCEEDED",model="g2p_encoder"}')
+    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="%s",version="1"}'
+    refused_at_admission = grew('qkv_requests_total{code="DEADLINE_EXCEEDED",model="g2p_encoder",version="1"}')
     assert grew(dropped % "cancelled") >= 1
     assert grew(dropped % "deadline") + grew(dropped % "cancelled") + refused_at_admission == 2
 
@@ -379,7 +379,7 @@ def test_a_cancelled_stream_takes_its_queued_requests_with_it(quiet_server: Runn
         before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(quiet_server.metrics_url)
         assert asyncio.run(run()), "the blocker finished early: the queue was not held"
         assert _inference_count(stub, "g2p_encoder") - before == 64  # the blocker's rows, none of the stream's
-    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="cancelled"}'
+    dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="cancelled",version="1"}'
     assert scrape(quiet_server.metrics_url).get(dropped, 0) - counters_before.get(dropped, 0) == 3
 
 
@@ -469,7 +469,7 @@ def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None
             await asyncio.sleep(0.1)  # computing: the queue is empty again
             queued = asyncio.ensure_future(stub.ModelInfer(encoder_request(16, VOCAB, rng), timeout=120))
             end = time.monotonic() + 30
-            while scrape(s.metrics_url).get('qkv_queue_depth{model="g2p_encoder"}', 0) != 1:
+            while scrape(s.metrics_url).get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0) != 1:
                 assert time.monotonic() < end, "the queue never held the second request"
                 await asyncio.sleep(0.02)
             call = stub.ModelInfer(malformed, timeout=30)

@@ -191,7 +191,7 @@ def test_unknown_model_names_add_no_series_and_get_a_short_not_found(hostile_ser
     )
     bounds.check()
     text = urllib.request.urlopen(hostile_server.metrics_url, timeout=10).read().decode()
-    assert f'qkv_requests_total{{code="NOT_FOUND",model="{UNKNOWN_MODEL}"}} 201.0' in text
+    assert f'qkv_requests_total{{code="NOT_FOUND",model="{UNKNOWN_MODEL}",version=""}} 201.0' in text
     assert "junk" not in text and "nnnn" not in text
 
 

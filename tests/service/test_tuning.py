@@ -184,7 +184,7 @@ def test_the_values_in_force_are_in_model_config_and_the_metrics(tmp_path: Path)
     assert params["given"]["batching.token_budget.source"].string_value == "config.json"
     tuned = params["tuned"]["batching.token_budget"].string_value
     assert tuned != "8192" and "throughput" in params["tuned"]["batching.token_budget.source"].string_value
-    assert f'qkv_batching_setting{{model="tuned",setting="token_budget"}} {float(tuned)}' in metrics
-    assert 'qkv_batching_setting{model="given",setting="token_budget"} 1000.0' in metrics
+    assert f'qkv_batching_setting{{model="tuned",setting="token_budget",version="1"}} {float(tuned)}' in metrics
+    assert 'qkv_batching_setting{model="given",setting="token_budget",version="1"} 1000.0' in metrics
     log = s.output()
     assert "batching model 'tuned': a batch costs" in log and "token_budget 1000 (config.json)" in log

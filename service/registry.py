@@ -1,0 +1,330 @@
+"""Which models and versions are served, and changing that while the server keeps answering.
+
+Model control, with Triton's names (`--model-control-mode`):
+
+- none: every model of the repository is loaded at start, and the set never changes.
+- explicit: the `--load-model` models at start; RepositoryModelLoad / RepositoryModelUnload change it.
+- poll: every model at start, then the repository is read again every `--repository-poll-secs`, and
+  versions (and models) added, changed or removed on disk are loaded and unloaded to match.
+
+A change never interrupts serving. New versions are built (sessions, warm-up) on a thread of their own
+beside the serving ones and take traffic only once all are ready; a version that leaves stops taking
+requests at once, finishes those queued or running on it, and then frees its sessions. A load that
+fails (a config that does not parse, a corrupt or missing graph, inputs that differ from the config,
+a failed warm-up) leaves what was serving in place, and the index says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn
+
+from service import priority
+from service.config import ServerSettings
+from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
+from service.metrics import Metrics
+from service.models import G2PModel, TensorModel
+from service.repository import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
+from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+
+__all__ = ["LOADING", "READY", "UNAVAILABLE", "UNLOADING", "LoadFailed", "Model", "ModelRegistry", "VersionState"]
+
+log = logging.getLogger("qkv.registry")
+
+Model = TensorModel | G2PModel
+READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
+
+
+class LoadFailed(InvalidArgument):
+    """A load that failed; `reason` is the problem alone (the file and what is wrong with it)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"failed to load '{name}': {reason}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One row of the repository index."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+
+
+@dataclass
+class ServedModel:
+    """One model name: the versions taking requests, and what the last change did."""
+
+    directory: Path
+    versions: dict[str, Model] = field(default_factory=dict)
+    prints: dict[str, Any] = field(default_factory=dict)  # version -> its files and config.json, when built
+    seen: Any = None  # the model directory's files at the last load: poll mode reloads when they change
+    states: dict[str, VersionState] = field(default_factory=dict)  # versions loading, unloading or failed
+    reason: str = ""  # why no version is ready, when none is
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one change at a time
+
+    def newest(self) -> Model | None:
+        return self.versions[max(self.versions, key=int)] if self.versions else None
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps them otherwise): RSS falls after an unload."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class ModelRegistry:
+    """The served models, by name and version, and the loads and unloads that change them.
+
+    Reads (`get`, `served`, `index`) happen on the event loop and never wait. Changes run one at a time
+    per model; building runs on a worker thread, and the swap itself happens on the event loop between
+    two requests, so a request sees either the old versions or the new ones.
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        metrics: Metrics,
+        changed: Callable[[str, bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.root = Path(settings.model_repository)
+        self.mode = settings.model_control_mode
+        self.poll_seconds = settings.repository_poll_secs
+        self.metrics = metrics
+        self.providers = choose_providers(settings.device)
+        self.models: dict[str, ServedModel] = {}
+        self._changed = changed  # (name, ready): health follows the models
+        self._poller: asyncio.Task[None] | None = None
+        self.initial = settings.load_model if self.mode == "explicit" else ("*",)
+
+    # Reads: on the event loop, never waiting.
+
+    def get(self, name: str, version: str = "") -> Model:
+        """The version asked for, or the newest ready one."""
+        served = self.models.get(name)
+        if served is None:
+            raise NotFound(f"unknown model {quote(name)} (served: {', '.join(self.ready_names()) or 'none'})")
+        if not served.versions:
+            raise Unavailable(f"model '{name}' has no version ready: {served.reason or 'not loaded'}")
+        if not version:
+            return served.newest()  # type: ignore[return-value]
+        model = served.versions.get(version)
+        if model is None:
+            raise NotFound(
+                f"model '{name}' has no version {quote(version)} ready (served: {', '.join(sorted(served.versions))})"
+            )
+        return model
+
+    def ready_names(self) -> list[str]:
+        return sorted(name for name, s in self.models.items() if s.versions)
+
+    def served(self) -> list[Model]:
+        """Every version taking requests."""
+        return [m for s in self.models.values() for _, m in sorted(s.versions.items(), key=lambda kv: int(kv[0]))]
+
+    def versions(self, name: str) -> list[Model]:
+        self.get(name)
+        return sorted(self.models[name].versions.values(), key=lambda m: int(m.version))
+
+    def index(self, ready_only: bool = False) -> list[VersionState]:
+        """Every model of the repository (and every one still served): each version's state and reason."""
+        rows: list[VersionState] = []
+        try:
+            on_disk = set(model_directories(self.root))
+        except RepositoryError:
+            on_disk = set()
+        for name in sorted(on_disk | set(self.models)):
+            served = self.models.get(name)
+            if served is None:
+                rows.append(VersionState(name, "", UNAVAILABLE, "not loaded"))
+                continue
+            versions = {v: VersionState(name, v, READY) for v in served.versions} | served.states
+            if not versions:
+                rows.append(VersionState(name, "", UNAVAILABLE, served.reason or "not loaded"))
+            rows += [versions[v] for v in sorted(versions, key=int)]
+        return [r for r in rows if r.state == READY] if ready_only else rows
+
+    # Changes.
+
+    async def start(self) -> None:
+        """The models served from the start; any that fails to load stops the start."""
+        names = list(model_directories(self.root)) if "*" in self.initial else list(self.initial)
+        if self.mode != "explicit" and not names:
+            raise RepositoryError(f"model repository {self.root} holds no models")
+        for name in names:
+            try:
+                await self.load(name)
+            except LoadFailed as e:
+                raise RepositoryError(e.reason) from None
+            except ServingError as e:
+                raise RepositoryError(e.message) from None
+        if self.mode == "poll":
+            self._poller = asyncio.create_task(self._poll())
+
+    async def load(self, name: str, raw: dict[str, Any] | None = None) -> None:
+        """Load `name` (or reload it: versions whose files and config are unchanged are kept as they are).
+
+        `raw`: a config.json to use instead of the file. Raises a ServingError saying why the load failed;
+        the versions that were serving keep serving."""
+        directory = model_directories(self.root).get(name) if self.root.is_dir() else None
+        if directory is None:
+            raise NotFound(f"no model {quote(name)} in the repository {self.root}")
+        served = self.models.setdefault(name, ServedModel(directory))
+        async with served.lock:
+            await self._load(served, name, raw)
+
+    async def _load(self, served: ServedModel, name: str, raw: dict[str, Any] | None) -> None:
+        loop = asyncio.get_running_loop()
+        served.seen = fingerprint(served.directory)
+        try:
+            configs = await loop.run_in_executor(None, load_model, served.directory, raw)
+        except RepositoryError as e:
+            served.states = {}
+            served.reason = str(e)
+            raise LoadFailed(name, str(e)) from None
+        config_print = fingerprint(served.directory / "config.json") if raw is None else raw
+        keep: dict[str, Model] = {}
+        build: list[ModelConfig] = []
+        prints = {}
+        for c in configs:
+            prints[c.version] = (fingerprint(c.directory), config_print)
+            if c.version in served.versions and served.prints.get(c.version) == prints[c.version]:
+                keep[c.version] = served.versions[c.version]
+            else:
+                build.append(c)
+        served.states = {c.version: VersionState(name, c.version, LOADING) for c in build}
+        built: list[Model] = []
+        for c in build:
+            started = time.perf_counter()
+            try:
+                built.append(await loop.run_in_executor(None, self._build, c))
+            except Exception as e:
+                for m in built:
+                    m.release()
+                self._failed(served, name, c.version, e)
+            log.info("model '%s' version %s built in %.2f s", name, c.version, time.perf_counter() - started)
+        for m in built:
+            self._activate(m)
+        leaving = [m for v, m in served.versions.items() if keep.get(v) is not m]
+        served.versions = keep | {m.version: m for m in built}  # the swap: new requests reach the new set
+        served.prints = prints
+        served.reason = ""
+        served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
+        log.info("model '%s': %s", name, self._serving(served))
+        await self._notify(name, True)
+        await self._retire(served, leaving)
+
+    def _failed(self, served: ServedModel, name: str, failed: str, e: Exception) -> NoReturn:
+        """A version failed to build: what was serving stays, the index says why, the caller is told."""
+        message = e.message if isinstance(e, ServingError) else str(e)
+        served.states = {failed: VersionState(name, failed, UNAVAILABLE, message)}
+        if not served.versions:
+            served.reason = message
+        log.warning("model '%s': load failed, %s: %s", name, self._serving(served), message)
+        raise LoadFailed(name, message) from None
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name`: new requests are refused at once; queued and running ones finish first."""
+        served = self.models.get(name)
+        if served is None:
+            raise NotFound(f"unknown model {quote(name)} (loaded: {', '.join(self.ready_names()) or 'none'})")
+        async with served.lock:
+            leaving = list(served.versions.values())
+            served.versions, served.prints = {}, {}
+            served.reason = "unloaded"
+            served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
+            await self._notify(name, False)
+            await self._retire(served, leaving)
+            log.info("model '%s' unloaded", name)
+
+    async def close(self) -> None:
+        """At shutdown: stop polling; every version finishes what it holds."""
+        if self._poller is not None:
+            self._poller.cancel()
+        for m in self.served():
+            await m.close()
+
+    # Parts.
+
+    def _build(self, config: ModelConfig) -> Model:
+        """On a worker thread: sessions (loaded at compute priority) and warm-up."""
+        observer = self.metrics.observer(config.name, config.version)
+        model: Model
+        if config.kind == "g2p":
+            model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, self.providers)), observer)
+        else:
+            model = TensorModel(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
+        try:
+            model.warm_up()
+        except BaseException:
+            model.release()
+            raise
+        return model
+
+    def _activate(self, m: Model) -> None:
+        """On the event loop: the model's batcher starts, and the metrics show it."""
+        self.metrics.model_info.labels(m.name, m.version, m.provider).set(1)
+        if isinstance(m, TensorModel):
+            for key in BATCHING_SHOWN:
+                self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(m.batcher.config, key)))
+        m.start()
+
+    async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:
+        """Let versions that no longer take requests finish theirs, then free them and their series."""
+        for m in leaving:
+            await m.close()
+            while m.answering:  # answered, but not yet counted in the metrics
+                await asyncio.sleep(0.005)
+            m.release()
+            served.states.pop(m.version, None)
+            if m.version not in served.versions:  # a version reloaded in place keeps its series
+                self.metrics.forget(m.name, m.version)
+        if leaving:
+            gc.collect()
+            _return_freed_memory()
+
+    async def _notify(self, name: str, ready: bool) -> None:
+        if self._changed is not None:
+            await self._changed(name, ready)
+
+    @staticmethod
+    def _serving(served: ServedModel) -> str:
+        return f"serving version(s) {', '.join(sorted(served.versions, key=int)) or 'none'}"
+
+    async def _poll(self) -> None:
+        """Poll mode: match the repository on disk, forever."""
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """Load models added or changed on disk since their last load, and unload those removed."""
+        try:
+            on_disk = model_directories(self.root)
+        except RepositoryError as e:
+            log.warning("repository poll: %s", e)
+            return
+        for name in sorted(set(self.models) - set(on_disk)):
+            if self.models[name].versions:
+                await self.unload(name)
+            del self.models[name]
+        for name, directory in on_disk.items():
+            served = self.models.get(name)
+            if served is not None and fingerprint(directory) == served.seen:
+                continue
+            try:
+                await self.load(name)
+            except ServingError as e:
+                log.warning("repository poll: %s", e.message)
