@@ -166,6 +166,7 @@ class TensorModel:
         log.info("batching %s", tuning.summary(self.name))
         best_tokens, best_seconds = max(points, key=lambda p: p[0] / p[1] if p[1] > 0 else 0.0)
         self.admission.seed(best_tokens, best_seconds)
+        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
 
     def start(self) -> None:
         self.batcher.start()
