@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -32,6 +32,9 @@ from service.models import G2PModel, ModelStats, TensorModel
 from service.repository import RepositoryError, load_repository
 from service.runtime import G2PRuntime, TensorRuntime, choose_providers
 from service.security import TokenAuth, bearer_tokens, server_credentials
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import Tracing
 
 __all__ = ["Server", "load_models", "serve"]
 
@@ -62,6 +65,15 @@ def load_models(settings: ServerSettings, metrics: Metrics) -> dict[str, Model]:
         m = models[config.name]
         metrics.model_info.labels(m.name, m.version, m.provider).set(1)
     return models
+
+
+def _tracing(settings: ServerSettings) -> Tracing | None:
+    """The tracer, when requests are traced; opentelemetry is imported only then."""
+    if not settings.traced:
+        return None
+    from service.tracing import Tracing
+
+    return Tracing(settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None)
 
 
 def _parameters(params: Any) -> dict[str, Any]:
@@ -204,7 +216,8 @@ class InferenceService:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        outcome = await self._answer(request, context.time_remaining())
+        carrier = context.invocation_metadata() if self.server.tracing is not None else None
+        outcome = await self._answer(request, context.time_remaining(), carrier)
         if isinstance(outcome, ServingError):
             if outcome.retry_after_ms is not None:
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(outcome.retry_after_ms)),))
@@ -224,9 +237,10 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
+        carrier = context.invocation_metadata() if self.server.tracing is not None else None
 
         async def answer(request: Any) -> None:
-            outcome = await self._answer(request, context.time_remaining())
+            outcome = await self._answer(request, context.time_remaining(), carrier, "ModelStreamInfer")
             if isinstance(outcome, ServingError):
                 hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
                 # The request's id and model come back too, so a client can tell which request failed.
@@ -271,12 +285,18 @@ class InferenceService:
             for task in [reader, *running]:
                 task.cancel()
 
-    async def _answer(self, request: Any, remaining: float | None) -> Any:
-        """One inference request from start to finish, counted in the metrics and statistics: its
-        ModelInferResponse, or the ServingError to answer it with. `remaining`: seconds to its deadline."""
+    async def _answer(
+        self, request: Any, remaining: float | None, carrier: Any = None, method: str = "ModelInfer"
+    ) -> Any:
+        """One inference request from start to finish, counted in the metrics and statistics (and traced,
+        when the server traces): its ModelInferResponse, or the ServingError to answer it with.
+        `remaining`: seconds to its deadline; `carrier`: the call's metadata (or HTTP headers), read only
+        for a W3C trace context; `method`: the RPC's name in the trace."""
         start = time.perf_counter()
         model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
         server = self.server
+        tracing = server.tracing
+        trace = tracing.start(carrier, method) if tracing is not None else None
         server.last_arrival = time.monotonic()
         metrics = server.metrics
         model: Model | None = None
@@ -295,7 +315,7 @@ class InferenceService:
                 model.admission.check(0, deadline)
                 inputs = self._decode(request)
                 outputs = [o.name for o in request.outputs]
-                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline)
+                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline, trace)
             finally:
                 server.active -= 1
             seq_len = result.seq_len
@@ -325,8 +345,11 @@ class InferenceService:
                     stats.fail_ns += int(seconds * 1e9)
             label = model_name if model_name in self.models else UNKNOWN_MODEL
             metrics.requests.labels(label, code).inc()
-            if code == "OK":
-                metrics.request_duration.labels(label, seq_len_bucket(seq_len)).observe(seconds)
+            if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
+                exemplar = trace.exemplar if trace is not None else None
+                metrics.request_duration.labels(label, seq_len_bucket(seq_len)).observe(seconds, exemplar)
+            if tracing is not None and trace is not None:
+                tracing.finish(trace, code, outcome, model, seq_len)
             if server.settings.access_log:  # one JSON line, whatever the client's strings hold
                 line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
@@ -355,6 +378,7 @@ class Server:
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
         self.models = load_models(settings, self.metrics)
+        self.tracing = _tracing(settings)
         self.draining = False
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
@@ -410,8 +434,10 @@ class Server:
                 m.warm_up()
                 for key in BATCHING_SHOWN:
                     self.metrics.batching_setting.labels(m.name, key).set(float(getattr(m.batcher.config, key)))
+                m.batcher.tracer = self.tracing
                 m.batcher.start()
             else:
+                m.scheduler.tracer = self.tracing
                 m.scheduler.start()
         await server.start()
         for name in ["", *self.models]:
@@ -434,6 +460,8 @@ class Server:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
         for m in self.models.values():
             await (m.batcher if isinstance(m, TensorModel) else m.scheduler).close()
+        if self.tracing is not None:  # export what is buffered (bounded by the exporter's timeout)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def wait(self) -> None:
         if self._grpc is not None:
