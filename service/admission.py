@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServingError
 from service.repository import BatchingConfig
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import RequestTrace
 
 __all__ = ["Admission", "BatchObserver", "NullObserver", "WorkItem", "why_gone"]
 
@@ -32,6 +35,7 @@ class WorkItem:
     deadline: float | None = None  # monotonic seconds
     started: float | None = None  # when its computation began
     cancelled: bool = False  # the client went away
+    trace: RequestTrace | None = None  # set when the request is sampled for tracing (service.tracing)
 
     @property
     def tokens(self) -> int:

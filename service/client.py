@@ -5,7 +5,9 @@
         print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
 
 Calls retry on UNAVAILABLE (a restarting or draining server) with exponential backoff, and on
-RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's deadline.
+RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's deadline. An inference
+call carries a W3C trace context: the `traceparent` given, or the caller's current OpenTelemetry
+span when the caller traces; a server that traces continues that trace.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +27,16 @@ import numpy as np
 from service import protocol
 from service.codec import decode_bytes, encode_bytes
 
-__all__ = ["AsyncClient", "Client", "g2p_outputs", "g2p_request", "health_check"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "g2p_outputs",
+    "g2p_request",
+    "health_check",
+    "new_traceparent",
+    "trace_id",
+    "trace_metadata",
+]
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 PUSHBACK = "grpc-retry-pushback-ms"
@@ -73,6 +86,34 @@ def _metadata(token: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {token}")] if token else None
 
 
+def new_traceparent(sampled: bool = True) -> str:
+    """A W3C traceparent that starts a new trace: version 00, random trace and parent ids."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{'01' if sampled else '00'}"
+
+
+def trace_id(traceparent: str) -> str:
+    """The trace id in a traceparent: what to search a tracing backend for."""
+    return traceparent.split("-")[1]
+
+
+def trace_metadata(traceparent: str | None = None) -> list[tuple[str, str]]:
+    """A call's W3C trace context: `traceparent` as given, else the caller's current OpenTelemetry span
+    when the caller uses OpenTelemetry (nothing is imported for a caller that does not), else none."""
+    if traceparent:
+        return [("traceparent", traceparent)]
+    if "opentelemetry.propagate" in sys.modules:
+        from opentelemetry import propagate
+
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return list(carrier.items())
+    return []
+
+
+def _with(metadata: list[tuple[str, str]] | None, extra: list[tuple[str, str]]) -> list[tuple[str, str]] | None:
+    return [*(metadata or ()), *extra] if extra else metadata
+
+
 def _channel_args(
     target: str, ssl: grpc.ChannelCredentials | None, load_balancing: str | None = None
 ) -> dict[str, Any]:
@@ -104,13 +145,17 @@ class Client:
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)
 
-    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def call(
+        self, method: str, request: Any, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None
+    ) -> Any:
+        """`metadata`: sent besides the client's own (its bearer token)."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        sent = _with(self.metadata, metadata or [])
         attempt = 0
         while True:
             try:
                 return getattr(self.stub, method)(
-                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
+                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=sent
                 )
             except grpc.RpcError as e:
                 pause = _pause(e, attempt)
@@ -119,11 +164,13 @@ class Client:
                 time.sleep(pause)
                 attempt += 1
 
-    def infer(self, request: Any, timeout: float | None = None) -> Any:
-        return self.call("ModelInfer", request, timeout)
+    def infer(self, request: Any, timeout: float | None = None, traceparent: str | None = None) -> Any:
+        return self.call("ModelInfer", request, timeout, trace_metadata(traceparent))
 
-    def g2p(self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None) -> list[str]:
-        return g2p_outputs(self.infer(g2p_request(texts, model), timeout))["PHONEMES"]  # type: ignore[no-any-return]
+    def g2p(
+        self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None, traceparent: str | None = None
+    ) -> list[str]:
+        return g2p_outputs(self.infer(g2p_request(texts, model), timeout, traceparent))["PHONEMES"]  # type: ignore[no-any-return]
 
     def ready(self) -> bool:
         return bool(self.call("ServerReady", protocol.ServerReadyRequest()).ready)
@@ -154,13 +201,17 @@ class AsyncClient:
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)
 
-    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    async def call(
+        self, method: str, request: Any, timeout: float | None = None, metadata: list[tuple[str, str]] | None = None
+    ) -> Any:
+        """`metadata`: sent besides the client's own (its bearer token)."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        sent = _with(self.metadata, metadata or [])
         attempt = 0
         while True:
             try:
                 return await getattr(self.stub, method)(
-                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata
+                    request, timeout=max(0.001, deadline - time.monotonic()), metadata=sent
                 )
             except grpc.aio.AioRpcError as e:
                 pause = _pause(e, attempt)
@@ -169,11 +220,14 @@ class AsyncClient:
                 await asyncio.sleep(pause)
                 attempt += 1
 
-    async def infer(self, request: Any, timeout: float | None = None) -> Any:
-        return await self.call("ModelInfer", request, timeout)
+    async def infer(self, request: Any, timeout: float | None = None, traceparent: str | None = None) -> Any:
+        return await self.call("ModelInfer", request, timeout, trace_metadata(traceparent))
 
-    async def g2p(self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None) -> list[str]:
-        return g2p_outputs(await self.infer(g2p_request(texts, model), timeout))["PHONEMES"]  # type: ignore[no-any-return]
+    async def g2p(
+        self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None, traceparent: str | None = None
+    ) -> list[str]:
+        response = await self.infer(g2p_request(texts, model), timeout, traceparent)
+        return g2p_outputs(response)["PHONEMES"]  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await self.channel.close()

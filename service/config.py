@@ -59,6 +59,21 @@ class ServerSettings:
     access_log: bool = _setting(False, "one JSON line per request on stderr")
     metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")
     log_level: str = _setting("info", "debug, info, warning or error")
+    tracing: bool = _setting(
+        False, "export OpenTelemetry traces over OTLP, as the OTEL_* variables configure (needs the trace extra)"
+    )
+    trace_sample_ratio: float = _setting(
+        -1.0, "share of requests traced when the caller did not decide (turns tracing on; -1: OTEL_TRACES_SAMPLER's)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.trace_sample_ratio > 1 or (self.trace_sample_ratio < 0 and self.trace_sample_ratio != -1):
+            raise SystemExit(f"qkv: --trace-sample-ratio {self.trace_sample_ratio:g}: give a share in [0, 1]")
+
+    @property
+    def traced(self) -> bool:
+        """Whether requests are traced: --tracing, or a sampling ratio given."""
+        return self.tracing or self.trace_sample_ratio >= 0
 
     def summary(self) -> str:
         secret = {"auth_token_file", "tls_key"}

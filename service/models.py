@@ -14,7 +14,7 @@ import string
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from service.repository import ModelConfig, RepositoryError
 from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.scheduler import GenerationScheduler, WordsRequest
 from service.tuning import CostModel, Tuning, sweep, tune
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import RequestTrace
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 
@@ -223,7 +226,12 @@ class TensorModel:
         return tuple(key)
 
     async def infer(
-        self, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any], deadline: float | None
+        self,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        params: dict[str, Any],
+        deadline: float | None,
+        trace: RequestTrace | None = None,
     ) -> Result:
         feeds = _checked_feeds(self.inputs, inputs, self.name)
         names = [o.name for o in self.outputs]
@@ -260,6 +268,7 @@ class TensorModel:
             payload=(feeds, outputs or names, self._group(feeds)),
             future=loop.create_future(),
             deadline=deadline,
+            trace=trace,
         )
         result: dict[str, np.ndarray] = await self.batcher.submit(item)
         self.stats.account_request(item)
@@ -418,7 +427,12 @@ class G2PModel:
         return value
 
     async def infer(
-        self, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any], deadline: float | None
+        self,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        params: dict[str, Any],
+        deadline: float | None,
+        trace: RequestTrace | None = None,
     ) -> Result:
         unknown = sorted(set(inputs) - {"TEXT"})
         if unknown:
@@ -443,7 +457,12 @@ class G2PModel:
         longest = max(map(len, sources))
         loop = asyncio.get_running_loop()
         item = WorkItem(
-            rows=len(sources), length=longest + 1, payload=req, future=loop.create_future(), deadline=deadline
+            rows=len(sources),
+            length=longest + 1,
+            payload=req,
+            future=loop.create_future(),
+            deadline=deadline,
+            trace=trace,
         )
         t0 = time.perf_counter_ns()
         hyps: list[Hypothesis] = await self.scheduler.submit(item)

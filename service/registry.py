@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from service import priority
 from service.config import ServerSettings
@@ -35,6 +35,9 @@ from service.metrics import Metrics
 from service.models import G2PModel, TensorModel
 from service.repository import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
 from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import Tracing
 
 __all__ = ["LOADING", "READY", "UNAVAILABLE", "UNLOADING", "LoadFailed", "Model", "ModelRegistry", "VersionState"]
 
@@ -98,6 +101,7 @@ class ModelRegistry:
         settings: ServerSettings,
         metrics: Metrics,
         changed: Callable[[str, bool], Awaitable[None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.root = Path(settings.model_repository)
         self.mode = settings.model_control_mode
@@ -106,6 +110,7 @@ class ModelRegistry:
         self.providers = choose_providers(settings.device)
         self.models: dict[str, ServedModel] = {}
         self._changed = changed  # (name, ready): health follows the models
+        self.tracing = tracing  # handed to each version's batcher or scheduler
         self._poller: asyncio.Task[None] | None = None
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
 
@@ -279,6 +284,9 @@ class ModelRegistry:
         if isinstance(m, TensorModel):
             for key in BATCHING_SHOWN:
                 self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(m.batcher.config, key)))
+            m.batcher.tracer = self.tracing
+        else:
+            m.scheduler.tracer = self.tracing
         m.start()
 
     async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:

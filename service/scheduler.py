@@ -15,13 +15,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service import priority
 from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, Unavailable
 from service.generation import DecodingBatch, Hypothesis, StepModel, beam_search
 from service.repository import BatchingConfig
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import Tracing
 
 __all__ = ["GenerationScheduler", "WordsRequest"]
 
@@ -66,6 +69,7 @@ class GenerationScheduler:
         self._closed = False
         self._stopping = False
         self._drainer: int | None = None  # the instance letting its batch run dry for waiting beams
+        self.tracer: Tracing | None = None  # set by a server that traces requests
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -83,6 +87,8 @@ class GenerationScheduler:
         req.remaining = len(req.sources)
         with self._lock:
             self.admission.admit(item.tokens, item.deadline)
+            if item.trace is not None:
+                item.trace.admitted(self.admission)
             self.queue.append(item)
             self.observer.queue_depth(len(self.queue))
             self._lock.notify()
@@ -210,6 +216,8 @@ class GenerationScheduler:
             req.results[j] = h
             req.remaining -= 1
             if req.remaining == 0:
+                if item.trace is not None:
+                    item.trace.finished(req)
                 done.append((item, req.results, None))
         self._resolve_all(done)
 
@@ -217,6 +225,9 @@ class GenerationScheduler:
         priority.lower_this_thread(slot)
         model = self.models[instance]
         batch = DecodingBatch(model)
+        tracer = self.tracer
+        company = tracer.join_counter() if tracer is not None else None
+        kind = "continuous" if self.config.continuous and self.config.enabled else "static"
         while True:
             with self._lock:
                 while not len(batch) and not self.queue and not self._stopping:
@@ -229,9 +240,12 @@ class GenerationScheduler:
                     self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
                     continue
             if beams:
-                self._run_beams(beams, model)
+                self._run_beams(beams, model, instance)
                 continue
             start = time.monotonic()
+            joining = None
+            if tracer is not None and new:
+                joining = tracer.open_batch(self.name, [h.tag[0] for h in new], instance, kind)
             try:
                 batch.add(new)
                 rows, real = len(batch), int(batch.memory_mask.sum())
@@ -242,15 +256,21 @@ class GenerationScheduler:
                 failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}
                 for item in failed.values():
                     self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
+                if joining is not None:
+                    joining.close(len(batch), 0, 0)
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
+            if company is not None:
+                if joining is not None:
+                    joining.close(rows, padded, real)
+                company.stepped(joining, new, finished)
             self._finish(finished)  # answer first, then account
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=bool(self.queue))
 
-    def _run_beams(self, items: list[WorkItem], model: StepModel) -> None:
+    def _run_beams(self, items: list[WorkItem], model: StepModel, instance: int) -> None:
         """One beam search over the words of all `items`; each request is answered as soon as its
         own words are done."""
         reqs: list[WordsRequest] = [x.payload for x in items]
@@ -262,7 +282,10 @@ class GenerationScheduler:
             self._finish([best])
 
         k, limit = reqs[0].beam_size, reqs[0].max_output_length
+        lengths = [len(s) for s in sources]
+        rows, padded, real = len(sources) * k, len(sources) * max(lengths), sum(lengths)
         start = time.monotonic()
+        span = self.tracer.open_batch(self.name, items, instance, "beam") if self.tracer is not None else None
         try:
             beam_search(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs), on_word)
         except Exception as e:
@@ -270,8 +293,10 @@ class GenerationScheduler:
             error = Internal(f"model '{self.name}' failed on this request: {e}")
             self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
             return
-        lengths = [len(s) for s in sources]
-        self.observer.batch(len(sources) * k, len(sources) * max(lengths), sum(lengths), time.monotonic() - start)
+        finally:
+            if span is not None:
+                span.close(rows, padded, real)
+        self.observer.batch(rows, padded, real, time.monotonic() - start)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from ipaddress import ip_address
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -41,6 +41,9 @@ from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelReg
 from service.repository import RepositoryError
 from service.security import TokenAuth, bearer_tokens, server_credentials
 
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.tracing import Tracing
+
 __all__ = ["Server", "serve"]
 
 log = logging.getLogger("qkv.server")
@@ -62,6 +65,15 @@ def _loopback(host: str) -> bool:
         return ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _tracing(settings: ServerSettings) -> Tracing | None:
+    """The tracer, when requests are traced; opentelemetry is imported only then."""
+    if not settings.traced:
+        return None
+    from service.tracing import Tracing
+
+    return Tracing(settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None)
 
 
 def _parameters(params: Any) -> dict[str, Any]:
@@ -254,7 +266,8 @@ class InferenceService:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        outcome = await self._answer(request, context.time_remaining())
+        carrier = context.invocation_metadata() if self.server.tracing is not None else None
+        outcome = await self._answer(request, context.time_remaining(), carrier)
         if isinstance(outcome, ServingError):
             if outcome.retry_after_ms is not None:
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(outcome.retry_after_ms)),))
@@ -274,9 +287,10 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
+        carrier = context.invocation_metadata() if self.server.tracing is not None else None
 
         async def answer(request: Any) -> None:
-            outcome = await self._answer(request, context.time_remaining())
+            outcome = await self._answer(request, context.time_remaining(), carrier, "ModelStreamInfer")
             if isinstance(outcome, ServingError):
                 hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
                 # The request's id and model come back too, so a client can tell which request failed.
@@ -321,12 +335,18 @@ class InferenceService:
             for task in [reader, *running]:
                 task.cancel()
 
-    async def _answer(self, request: Any, remaining: float | None) -> Any:
-        """One inference request from start to finish, counted in the metrics and statistics: its
-        ModelInferResponse, or the ServingError to answer it with. `remaining`: seconds to its deadline."""
+    async def _answer(
+        self, request: Any, remaining: float | None, carrier: Any = None, method: str = "ModelInfer"
+    ) -> Any:
+        """One inference request from start to finish, counted in the metrics and statistics (and traced,
+        when the server traces): its ModelInferResponse, or the ServingError to answer it with.
+        `remaining`: seconds to its deadline; `carrier`: the call's metadata (or HTTP headers), read only
+        for a W3C trace context; `method`: the RPC's name in the trace."""
         start = time.perf_counter()
         model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
         server = self.server
+        tracing = server.tracing
+        trace = tracing.start(carrier, method) if tracing is not None else None
         server.last_arrival = time.monotonic()
         metrics = server.metrics
         model: Model | None = None
@@ -346,7 +366,7 @@ class InferenceService:
                 model.admission.check(0, deadline)
                 inputs = self._decode(request)
                 outputs = [o.name for o in request.outputs]
-                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline)
+                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline, trace)
             finally:
                 server.active -= 1
             seq_len = result.seq_len
@@ -379,8 +399,11 @@ class InferenceService:
             elif request.model_name in self.registry.models:  # a model of the repository: its version unknown
                 label = request.model_name
             metrics.requests.labels(label, version, code).inc()
-            if code == "OK":
-                metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds)
+            if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
+                exemplar = trace.exemplar if trace is not None else None
+                metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds, exemplar)
+            if tracing is not None and trace is not None:
+                tracing.finish(trace, code, outcome, model, seq_len)
             if server.settings.access_log:  # one JSON line, whatever the client's strings hold
                 line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
@@ -411,7 +434,8 @@ class Server:
         self._admin_tokens = bearer_tokens(settings.admin_token_file)
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
-        self.registry = ModelRegistry(settings, self.metrics, self._model_changed)
+        self.tracing = _tracing(settings)
+        self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing)
         self.draining = False
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
@@ -490,6 +514,8 @@ class Server:
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
         await self.registry.close()
+        if self.tracing is not None:  # export what is buffered (bounded by the exporter's timeout)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def wait(self) -> None:
         if self._grpc is not None:

@@ -43,10 +43,13 @@ def _mean(histogram: str, by: str) -> str:
     return f"{_rate(histogram + '_sum', by)} / {_rate(histogram + '_count', by)}"
 
 
-def _target(expr: str, legend: str, ref: str, fmt: str = "time_series", instant: bool = False) -> dict[str, Any]:
+def _target(
+    expr: str, legend: str, ref: str, fmt: str = "time_series", instant: bool = False, exemplar: bool = False
+) -> dict[str, Any]:
     return {
         "datasource": DS,
         "editorMode": "code",
+        "exemplar": exemplar,
         "expr": expr,
         "format": fmt,
         "instant": instant,
@@ -175,12 +178,14 @@ def _layout() -> list[tuple[Panel, int, int]]:
         (
             _timeseries(
                 "Request latency p50 / p95 / p99",
-                "End-to-end request latency in the server (queue + compute), all sequence lengths.",
+                "End-to-end request latency in the server (queue + compute), all sequence lengths. With "
+                "tracing on, the dots are exemplars: one traced request each, linked to its trace.",
                 "s",
                 _targets(
                     (_quantile(0.5, "qkv_request_duration_seconds", "model"), "p50 {{model}}"),
                     (_quantile(0.95, "qkv_request_duration_seconds", "model"), "p95 {{model}}"),
                     (_quantile(0.99, "qkv_request_duration_seconds", "model"), "p99 {{model}}"),
+                    exemplar=True,
                 ),
             ),
             12,

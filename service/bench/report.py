@@ -134,6 +134,14 @@ def _bound_notes(r: dict[str, Any]) -> list[str]:
             f"words/s with waiting requests decoded together, {beam['unbatched']['rps']:.0f} one request at a "
             f"time ({beam['ratio']:.2f}x, median of paired rounds)."
         )
+    tracing = r.get("tracing_overhead")
+    if tracing:
+        notes.append(
+            f"\nTracing every request (sampling 1.0, OTLP/gRPC to a receiver on this machine), seq 16, c16: "
+            f"{tracing['on']['rps']:.0f} requests/s against {tracing['off']['rps']:.0f} with tracing off "
+            f"({100 * tracing['overhead']:.1f} % lost, p50 x{tracing['p50_ratio']:.2f}, median of paired rounds); "
+            f"{tracing['spans_per_request']:.1f} spans exported per request."
+        )
     short = r.get("g2p_short_p99", {})
     if "rounds" in short.get("continuous", {}):
         by_round = {k: ", ".join(f"{x['p99_ms']:.1f}" for x in short[k]["rounds"]) for k in ("continuous", "static")}

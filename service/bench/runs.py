@@ -31,13 +31,15 @@ from service.bench.sections import (
     metrics_section,
     mixed_section,
     overload_section,
+    tracing_section,
 )
 from service.bench.servers import Servers, cpus
 from service.process import start_server, stop_server
 
 __all__ = ["SECTIONS", "perf_analyzer_crosscheck", "soak", "suite"]
 
-SECTIONS = ("ceiling", "mixed", "overload", "g2p", "beam", "continuous", "metrics", "kv")  # in the order they run
+# In the order they run.
+SECTIONS = ("ceiling", "mixed", "overload", "g2p", "beam", "continuous", "metrics", "tracing", "kv")
 
 
 def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
@@ -57,6 +59,7 @@ def suite(models: Path, out: Path, seconds: float = 8.0, only: tuple[str, ...] =
         "beam": partial(beam_section, servers, words, seconds, results),
         "continuous": partial(continuous_section, servers, words, seconds, results),
         "metrics": partial(metrics_section, servers, vocab, seconds, results),
+        "tracing": partial(tracing_section, servers, vocab, seconds, results),
     }
     try:
         for name, run in served.items():

@@ -6,6 +6,7 @@ Each starts the servers it needs (through `Servers`), measures, and writes its f
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "metrics_section",
     "mixed_section",
     "overload_section",
+    "tracing_section",
 ]
 
 BEAM_SIZE = 4  # the beam section's beam width
@@ -181,3 +183,29 @@ def metrics_section(servers: Servers, vocab: int, seconds: float, results: dict[
 
     turns = take_turns(servers, {"on": (None, None), "off": (None, ["--no-metrics"])}, measure)
     results["metrics_overhead"] = {**turns, "overhead": 1 - paired_ratio(turns, "on", "off", "rps")}
+
+
+def tracing_section(servers: Servers, vocab: int, seconds: float, results: dict[str, Any]) -> None:
+    """Requests/s with every request traced (sampling 1.0, exported over OTLP/gRPC to a receiver in this
+    process, as to a collector on the same machine) vs tracing off; short requests (seq 16, c16), where
+    tracing weighs most."""
+    try:
+        from service.bench.collector import Collector  # the trace extra: imported only for this section
+    except ModuleNotFoundError as e:
+        results["tracing_overhead"] = {"skipped": f"needs the trace extra ({e.name})"}
+        return
+
+    def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
+        return loadgen.summarise(run_closed(s.url, encoder_maker(lambda r: 16, vocab), 16, seconds, label))
+
+    with Collector(keep=False) as collector:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.endpoint  # the servers started here inherit it
+        try:
+            turns = take_turns(servers, {"on": (None, ["--trace-sample-ratio", "1"]), "off": (None, None)}, measure)
+        finally:
+            del os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        spans = collector.count
+    traced = sum(r["requests"] for r in turns["on"]["rounds"])
+    results["tracing_overhead"] = {**turns, "overhead": 1 - paired_ratio(turns, "on", "off", "rps"),
+                                   "p50_ratio": paired_ratio(turns, "on", "off", "p50_ms"),
+                                   "spans_received": spans, "spans_per_request": spans / max(1, traced)}  # fmt: skip

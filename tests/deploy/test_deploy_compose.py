@@ -31,7 +31,9 @@ def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]], ids=["default", "gpu"])
+@pytest.mark.parametrize(
+    "profile", [[], ["--profile", "gpu"], ["--profile", "tracing"]], ids=["default", "gpu", "tracing"]
+)
 def test_docker_compose_config_accepts_the_file(profile: list[str]) -> None:
     ok(run([tool("docker-compose"), "-f", str(COMPOSE), *profile, "config", "-q"], env=NO_ENGINE))
 
@@ -43,7 +45,7 @@ def test_compose_spec_schema_accepts_the_file() -> None:
 
 def test_compose_spec_without_version_key(compose: dict[str, Any]) -> None:
     assert "version" not in compose
-    assert set(services(compose)) == {"qkv", "qkv-gpu", "prometheus", "grafana"}
+    assert set(services(compose)) == {"qkv", "qkv-gpu", "prometheus", "grafana", "otel-collector", "jaeger"}
 
 
 def test_images_are_pinned(compose: dict[str, Any]) -> None:
@@ -72,8 +74,31 @@ def test_gpu_profile_reserves_a_gpu_for_the_cuda_image(compose: dict[str, Any]) 
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["count"] >= 1
     assert gpu["healthcheck"]["test"][:3] == ["CMD", "qkv", "health"]
     for name, svc in services(compose).items():
-        if name != "qkv-gpu":
+        if name not in ("qkv-gpu", "otel-collector", "jaeger"):
             assert "profiles" not in svc, name
+
+
+def test_tracing_profile_sends_qkvs_spans_through_a_collector_to_jaeger(compose: dict[str, Any]) -> None:
+    svcs = services(compose)
+    assert svcs["otel-collector"]["profiles"] == svcs["jaeger"]["profiles"] == ["tracing"]
+    env = svcs["qkv"]["environment"]
+    assert env["QKV_TRACING"] == "${QKV_TRACING:-false}"  # off unless asked for
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    mounts = bind_mounts(svcs["otel-collector"])
+    config_file = mounts["/etc/otelcol/config.yml"]
+    assert "--config=/etc/otelcol/config.yml" in svcs["otel-collector"]["command"]
+    config = load_yaml(config_file)
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    [pipeline] = config["service"]["pipelines"].values()
+    assert pipeline["receivers"] == ["otlp"]
+    [exporter] = pipeline["exporters"]
+    assert config["exporters"][exporter]["endpoint"] == "jaeger:4317"
+    # Prometheus keeps exemplars; Grafana's Prometheus datasource links them to the Jaeger datasource.
+    assert "--enable-feature=exemplar-storage" in svcs["prometheus"]["command"]
+    [prom] = load_yaml(GRAFANA / "provisioning/datasources/prometheus.yml")["datasources"]
+    [jaeger] = load_yaml(GRAFANA / "provisioning/datasources/traces.yml")["datasources"]
+    assert prom["jsonData"]["exemplarTraceIdDestinations"] == [{"name": "trace_id", "datasourceUid": jaeger["uid"]}]
+    assert jaeger["type"] == "jaeger" and jaeger["url"] == "http://jaeger:16686"
 
 
 def test_start_order_is_health_gated(compose: dict[str, Any]) -> None:
@@ -104,6 +129,7 @@ def test_mounted_files_are_the_checked_files(compose: dict[str, Any]) -> None:
     graf = bind_mounts(services(compose)["grafana"])
     assert graf == {
         "/etc/grafana/provisioning/datasources/prometheus.yml": GRAFANA / "provisioning/datasources/prometheus.yml",
+        "/etc/grafana/provisioning/datasources/traces.yml": GRAFANA / "provisioning/datasources/traces.yml",
         "/etc/grafana/provisioning/dashboards/qkv.yml": GRAFANA / "provisioning/dashboards/qkv.yml",
         "/etc/grafana/dashboards": GRAFANA / "dashboards",
     }

@@ -127,10 +127,10 @@ def test_settings_come_from_the_configmap(rendered: Rendered, overlay: str) -> N
     cm = one(docs, "ConfigMap")
     refs = [e["configMapRef"]["name"] for e in container(docs)["envFrom"]]
     assert refs == [cm["metadata"]["name"]]
-    assert all(key.startswith("QKV_") for key in cm["data"])
+    assert all(key.startswith(("QKV_", "OTEL_")) for key in cm["data"])  # OTEL_*: the OpenTelemetry SDK's
     assert cm["data"]["QKV_MODEL_REPOSITORY"] == "/opt/qkv/models"
     assert int(cm["data"]["QKV_MAX_CONNECTION_AGE"]) > 0  # clients reconnect and spread over pods
-    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda"}[overlay]
+    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda", "cpu-tracing": "cpu"}[overlay]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -313,3 +313,16 @@ def test_kserve_inference_service_uses_the_runtime() -> None:
     assert model["protocolVersion"] == "grpc-v2"
     assert "://" in model["storageUri"]
     assert [p["containerPort"] for p in model["ports"]] == [8001]
+
+
+def test_tracing_overlay_sends_otlp_to_the_collector_and_only_there(rendered: Rendered) -> None:
+    docs = rendered["cpu-tracing"][1]
+    settings = config(docs)
+    assert settings["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4317") and settings["OTEL_SERVICE_NAME"] == "qkv"
+    assert 0 <= float(settings["QKV_TRACE_SAMPLE_RATIO"]) <= 1
+    assert {k: v for k, v in settings.items() if not k.startswith(("OTEL_", "QKV_TRACE"))} == config(rendered["cpu"][1])
+    egress = one(docs, "NetworkPolicy")["spec"]["egress"]
+    ports = {p["port"] for rule in egress for p in rule["ports"]}
+    assert ports == {4317, 53}
+    assert not config(rendered["cpu"][1]).keys() & {"OTEL_EXPORTER_OTLP_ENDPOINT", "QKV_TRACE_SAMPLE_RATIO"}
+    assert one(rendered["cpu"][1], "NetworkPolicy")["spec"]["egress"] == []
