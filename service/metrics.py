@@ -126,6 +126,13 @@ class Metrics:
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "reason"], registry=r
         )
+        # Apart from qkv_requests_total, which counts the inference requests of both protocols as before.
+        self.http_requests = Counter(
+            "qkv_http_requests",
+            "HTTP/REST requests by endpoint and HTTP status",
+            ["model", "endpoint", "code"],
+            registry=r,
+        )
         self.batching_setting = Gauge(
             "qkv_batching_setting",
             "A tensor model's batching setting in force (tuned from its measured cost, or from config.json)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from service import protocol
 from service.config import ServerSettings
 
-__all__ = ["OPEN_METHODS", "TokenAuth", "bearer_tokens", "server_credentials"]
+__all__ = ["OPEN_METHODS", "BearerTokens", "TokenAuth", "bearer_tokens", "server_credentials", "ssl_context"]
 
 # The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
 OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
@@ -31,19 +32,31 @@ def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
-class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+class BearerTokens:
+    """The tokens of --auth-token-file, and whether an `authorization` value offers one of them."""
 
     def __init__(self, tokens: list[str]) -> None:
         # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
         self.tokens = [_digest(t.encode()) for t in tokens]
 
+    def allows(self, authorization: str | None) -> bool:
+        if not isinstance(authorization, str) or authorization[:7].lower() != "bearer ":
+            return False
+        offered = _digest(authorization[7:].strip().encode())
+        # compare against every token, so the time taken says nothing about which matched
+        return any([hmac.compare_digest(offered, t) for t in self.tokens])
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = BearerTokens(tokens)
+
     def _allowed(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = _digest(value[7:].strip().encode())
-                # compare against every token, so the time taken says nothing about which matched
-                return any([hmac.compare_digest(offered, t) for t in self.tokens])
+                return self.tokens.allows(value)
         return False
 
     async def intercept_service(
@@ -111,6 +124,18 @@ def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
         except ValueError as e:
             raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def ssl_context(s: ServerSettings) -> ssl.SSLContext | None:
+    """The same TLS (and mutual TLS) for the HTTP port, from the files server_credentials checked."""
+    if not s.tls_cert or not s.tls_key:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(s.tls_cert, s.tls_key)
+    if s.tls_client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=str(s.tls_client_ca))
+    return context
 
 
 def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:

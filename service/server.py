@@ -31,7 +31,7 @@ from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
 from service.models import G2PModel, ModelStats, TensorModel
 from service.repository import RepositoryError, load_repository
 from service.runtime import G2PRuntime, TensorRuntime, choose_providers
-from service.security import TokenAuth, bearer_tokens, server_credentials
+from service.security import TokenAuth, bearer_tokens, server_credentials, ssl_context
 
 __all__ = ["Server", "load_models", "serve"]
 
@@ -361,7 +361,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
+        self._http: Any = None  # service.rest.RestServer, when --http-port is not -1
 
     def _options(self) -> list[tuple[str, Any]]:
         s = self.settings
@@ -387,7 +389,8 @@ class Server:
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
-        server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self)),))
+        service = InferenceService(self)  # one data plane: the HTTP/REST front end calls the same service
+        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
@@ -405,6 +408,11 @@ class Server:
                 self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port)
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
+        if s.http_port >= 0:
+            from service.rest import RestServer  # aiohttp, only when HTTP is on
+
+            self._http = RestServer(service, self.metrics, s, self._tokens, ssl_context(s))
+            self.http_port = self._http.bind(s.host, s.http_port)
         for m in self.models.values():
             if isinstance(m, TensorModel):
                 m.warm_up()
@@ -414,6 +422,8 @@ class Server:
             else:
                 m.scheduler.start()
         await server.start()
+        if self._http is not None:
+            await self._http.start()
         for name in ["", *self.models]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -432,6 +442,8 @@ class Server:
             log.warning("grace period over with %d requests still running", self.active)
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
+        if self._http is not None:
+            await self._http.stop()
         for m in self.models.values():
             await (m.batcher if isinstance(m, TensorModel) else m.scheduler).close()
 
@@ -456,9 +468,10 @@ async def _serve(settings: ServerSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.models.values())
     log.info("settings: %s", settings.summary())
+    http = f"{settings.host}:{server.http_port}" if settings.http_port >= 0 else "off"
     print(
         f"qkv {__version__} serving {models} on grpc {settings.host}:{server.grpc_port} metrics "
-        f"{settings.metrics_host or settings.host}:{server.metrics_port}",
+        f"{settings.metrics_host or settings.host}:{server.metrics_port} http {http}",
         flush=True,
     )
     await stop.wait()

@@ -283,7 +283,7 @@ def test_oversized_message_is_refused_by_grpc_and_metrics_bind_their_own_address
 
 def serve_exit(*args: str | Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model-repository", str(MODELS), "--host", "127.0.0.1",
-           "--grpc-port", "0", "--metrics-port", "0", *map(str, args)]  # fmt: skip
+           "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
@@ -354,6 +354,7 @@ def test_a_port_in_use_stops_the_start(tmp_path: Path) -> None:
         for flag, message in (
             ("--grpc-port", "cannot bind the gRPC port"),
             ("--metrics-port", "cannot bind the metrics port"),
+            ("--http-port", "cannot bind the HTTP port"),
         ):
             done = serve_exit(flag, port)  # given twice: the last one counts
             assert done.returncode != 0, flag
