@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import socket
 import ssl
@@ -23,6 +24,7 @@ import grpc
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from service import protocol
 from service.codec import encode_bytes
@@ -64,12 +66,26 @@ MAX_STREAM_WORDS = 64  # generate_stream: words of one text (each its own reques
 Handler = Callable[[web.BaseRequest, str, str], Awaitable[web.StreamResponse]]
 
 
+class _ClientFaults(logging.Filter):
+    """aiohttp logs a request its HTTP parser refused (the client's fault, answered 400) as an error with
+    a traceback that quotes the client's bytes: dropped, so that no client writes to the server's log.
+    Every other error passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
+
+
+log = logging.getLogger("qkv.http")
+log.addFilter(_ClientFaults())
+
+
 class _Refused(Exception):
     """A request answered before it reaches a model: its HTTP status and message."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+        self.close = close  # the connection closes after the answer: what is left of the body is not read
 
 
 class _Call:
@@ -167,7 +183,9 @@ class RestServer:
             request_factory=request,
             handler_cancellation=True,  # a client that leaves cancels its request, as on gRPC
             keepalive_timeout=self.settings.http_timeout,  # also bounds a request's headers: a slow client
+            logger=log,
             access_log=None,  # --access-log writes one line per inference request, whatever the protocol
+            lingering_time=self.settings.http_timeout,  # the unread rest of a refused body, read and dropped
         )
         self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=self.settings.grace_period)
         await self._runner.setup()
@@ -213,6 +231,8 @@ class RestServer:
             response = await route.handler(request, model, version)
         except _Refused as e:
             response = _error(e.status, e.message, e.headers)
+            if e.close:
+                response.force_close()
         except ServingError as e:
             response = _failed(e)
         label = model if model in self.service.models else UNKNOWN_MODEL if model else ""
@@ -231,20 +251,20 @@ class RestServer:
             raise _Refused(415, f"Content-Encoding {quote(encoding)}: gzip, deflate or none")
         limit = self.settings.max_message_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise _Refused(413, f"the body is {request.content_length:,} bytes, the limit is {limit:,}")
+            raise _Refused(413, f"the body is {request.content_length:,} bytes, the limit is {limit:,}", close=True)
         try:
             async with asyncio.timeout(self.settings.http_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _Refused(413, f"the body is over the limit of {limit:,} bytes") from None
+            raise _Refused(413, f"the body is over the limit of {limit:,} bytes", close=True) from None
         except TimeoutError:
-            request.protocol.force_close()  # what is left of the body is never read
-            raise _Refused(
-                408,
-                f"the body did not arrive within {self.settings.http_timeout:g} s (more Content-Length than body?)",
-            ) from None
-        except HttpProcessingError as e:  # a broken chunked or compressed body
-            raise _Refused(400, f"the body cannot be read: {clip(str(e.message), 200)}") from None
+            request.content.feed_eof()  # nothing more is waited for: answer, then close
+            timeout = self.settings.http_timeout
+            message = f"the body did not arrive within {timeout:g} s (more Content-Length than body?)"
+            raise _Refused(408, message, close=True) from None
+        except (HttpProcessingError, RequestPayloadError) as e:  # a broken chunked or compressed body
+            request.content.feed_eof()  # what follows is not read: aiohttp would raise the error again
+            raise _Refused(400, f"the body cannot be read: {clip(' '.join(str(e).split()), 200)}", close=True) from None
 
     async def _call(self, method: str, request: Any) -> Any:
         """An InferenceService method, as the gRPC server calls it."""

@@ -127,7 +127,9 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
         return encode_bytes(flat.astype(object))
     allowed = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf"}.get(datatype, "iu")
     if flat.size and kind not in allowed:
-        got = {"b": "booleans", "U": "strings", "f": "numbers with a fraction"}.get(kind, "values of mixed types")
+        got = {"b": "booleans", "U": "strings", "f": "numbers with a fraction"}.get(
+            kind, "nulls, mixed types or integers over 64 bits"
+        )
         raise InvalidArgument(f"input {quote(name)}: {datatype} data cannot hold {got}")
     dtype = np.dtype(NUMPY_DTYPES[datatype])
     if kind in "iu" and dtype.kind in "iu" and flat.size:
@@ -136,7 +138,8 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
             raise InvalidArgument(f"input {quote(name)}: value {bad} is outside {datatype} [{info.min}, {info.max}]")
-    return flat.astype(dtype.newbyteorder("<")).tobytes()
+    with np.errstate(over="ignore"):  # 1e300 as FP16 is inf, which the model refuses by name
+        return flat.astype(dtype.newbyteorder("<")).tobytes()
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str, version: str) -> InferBody:
