@@ -23,8 +23,12 @@ def _setting(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path = _setting(Path("models"), "directory of models (NAME/VERSION/...)")
-    host: str = _setting("0.0.0.0", "address the gRPC port binds to")
+    host: str = _setting("0.0.0.0", "address the gRPC and HTTP ports bind to")
     grpc_port: int = _setting(8001, "gRPC port (0: any free port, printed at start)")
+    http_port: int = _setting(8000, "HTTP/REST port of the v2 protocol (0: any free port, printed at start; -1: off)")
+    http_timeout: float = _setting(
+        30.0, "seconds an HTTP client may take to send a request's headers or body, and a connection may idle"
+    )
     metrics_host: str = _setting("", "address of the metrics port (default: --host)")
     metrics_port: int = _setting(8002, "Prometheus /metrics HTTP port (0: any free port; -1: off)")
     device: str = _setting(

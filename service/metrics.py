@@ -128,13 +128,27 @@ class Metrics:
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "version", "reason"], registry=r
         )
+        # Apart from qkv_requests_total, which counts the inference requests of both protocols as before.
+        self.http_requests = Counter(
+            "qkv_http_requests",
+            "HTTP/REST requests by endpoint and HTTP status",
+            ["model", "endpoint", "code"],
+            registry=r,
+        )
         self.batching_setting = Gauge(
             "qkv_batching_setting",
             "A tensor model's batching setting in force (tuned from its measured cost, or from config.json)",
             ["model", "version", "setting"],
             registry=r,
         )
+        # The series of one model version: they go when it is unloaded.
+        self._per_version: list[Counter | Gauge | Histogram] = [
+            self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
+            self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
+            self.dropped, self.batching_setting,
+        ]  # fmt: skip
         if not enabled:
+            self._per_version = []
             for name, value in list(vars(self).items()):
                 if name != "registry" and hasattr(value, "labels"):
                     setattr(self, name, _Off())
@@ -149,9 +163,8 @@ class Metrics:
 
     def forget(self, model: str, version: str) -> None:
         """Drop every series of one model version (unloaded): series never outlive what they describe."""
-        for metric in vars(self).values():
-            if isinstance(metric, Counter | Gauge | Histogram):
-                metric.remove_by_labels({"model": model, "version": version})
+        for metric in self._per_version:
+            metric.remove_by_labels({"model": model, "version": version})
 
 
 class ModelObserver:

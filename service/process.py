@@ -17,7 +17,7 @@ from typing import IO
 
 __all__ = ["ServerProcess", "start_server", "stop_server"]
 
-READY = re.compile(r"on grpc (\S+):(\d+) metrics (\S+):(-?\d+)")
+READY = re.compile(r"on grpc (\S+):(\d+) metrics (\S+):(-?\d+)(?: http (?:\S+):(\d+))?")
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ServerProcess:
     metrics_url: str
     log: Path
     log_file: IO[str] | None = None
+    http_url: str = ""  # 127.0.0.1:PORT, when HTTP is on
 
     def output(self) -> str:
         return self.log.read_text()
@@ -40,6 +41,8 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, 
         cmd += ["--grpc-port", "0"]
     if "--metrics-port" not in args:
         cmd += ["--metrics-port", "0"]
+    if "--http-port" not in args:
+        cmd += ["--http-port", "0"]
     out = log.open("w")
     proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=cwd,
                             env={**os.environ, **(env or {})})  # fmt: skip
@@ -47,7 +50,9 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, 
     while time.monotonic() < deadline:
         m = READY.search(log.read_text())
         if m:
-            return ServerProcess(proc, f"127.0.0.1:{m.group(2)}", f"http://127.0.0.1:{m.group(4)}/metrics", log, out)
+            http = f"127.0.0.1:{m.group(5)}" if m.group(5) else ""
+            metrics = f"http://127.0.0.1:{m.group(4)}/metrics"
+            return ServerProcess(proc, f"127.0.0.1:{m.group(2)}", metrics, log, out, http)
         if proc.poll() is not None:
             out.close()
             raise RuntimeError(f"qkv serve exited with {proc.returncode}:\n{log.read_text()}")

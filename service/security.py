@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,15 @@ from cryptography.hazmat.primitives import serialization
 from service import protocol
 from service.config import ServerSettings
 
-__all__ = ["OPEN_METHODS", "REPOSITORY_METHODS", "TokenAuth", "bearer_tokens", "server_credentials"]
+__all__ = [
+    "OPEN_METHODS",
+    "REPOSITORY_METHODS",
+    "BearerTokens",
+    "TokenAuth",
+    "bearer_tokens",
+    "server_credentials",
+    "ssl_context",
+]
 
 # The protocol's own liveness/readiness calls stay open, like grpc.health: probes carry no token.
 OPEN_METHODS = frozenset(f"/{protocol.SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
@@ -35,31 +44,44 @@ def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
-class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Bearer tokens on the inference service; health and reflection stay open for probes.
+class BearerTokens:
+    """The tokens of --auth-token-file and --admin-token-file, and whether an `authorization` value
+    offers one that passes.
 
-    `tokens` pass the inference RPCs (every RPC when empty); `admin` tokens, when given, are the only
-    ones that pass the repository RPCs."""
+    `tokens` pass the inference calls (all are open when there are none); `admin` tokens, when given,
+    are the only ones that pass the repository calls (index, load, unload)."""
 
     def __init__(self, tokens: list[str], admin: list[str] | None = None) -> None:
         # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
         self.tokens = [_digest(t.encode()) for t in tokens]
         self.admin = [_digest(t.encode()) for t in admin or []]
 
-    @staticmethod
-    def _offered(metadata: Any) -> bytes | None:
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                return _digest(value[7:].strip().encode())
-        return None
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.admin)
+
+    def wants_admin(self, repository: bool) -> bool:
+        return repository and bool(self.admin)
+
+    def allows(self, authorization: str | None, repository: bool = False) -> bool:
+        wanted = self.admin if self.wants_admin(repository) else self.tokens
+        if not wanted:  # admin tokens only: the other calls are open
+            return True
+        if not isinstance(authorization, str) or authorization[:7].lower() != "bearer ":
+            return False
+        offered = _digest(authorization[7:].strip().encode())
+        # compare against every token, so the time taken says nothing about which matched
+        return any([hmac.compare_digest(offered, t) for t in wanted])
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Bearer tokens on the inference service; health and reflection stay open for probes."""
+
+    def __init__(self, tokens: list[str], admin: list[str] | None = None) -> None:
+        self.tokens = BearerTokens(tokens, admin)
 
     def _allowed(self, method: str, metadata: Any) -> bool:
-        wanted = self.admin if self.admin and method in REPOSITORY_METHODS else self.tokens
-        if not wanted:  # admin tokens only: the other RPCs are open
-            return True
-        offered = self._offered(metadata)
-        # compare against every token, so the time taken says nothing about which matched
-        return offered is not None and any([hmac.compare_digest(offered, t) for t in wanted])
+        offered = next((v for k, v in metadata or () if k == "authorization" and isinstance(v, str)), None)
+        return self.tokens.allows(offered, method in REPOSITORY_METHODS)
 
     async def intercept_service(
         self,
@@ -70,7 +92,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(details)
         if self._allowed(details.method, details.invocation_metadata):
             return await continuation(details)
-        which = "admin " if self.admin and details.method in REPOSITORY_METHODS else ""
+        which = "admin " if self.tokens.wants_admin(details.method in REPOSITORY_METHODS) else ""
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(
@@ -128,6 +150,18 @@ def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
         except ValueError as e:
             raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def ssl_context(s: ServerSettings) -> ssl.SSLContext | None:
+    """The same TLS (and mutual TLS) for the HTTP port, from the files server_credentials checked."""
+    if not s.tls_cert or not s.tls_key:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(s.tls_cert, s.tls_key)
+    if s.tls_client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=str(s.tls_client_ca))
+    return context
 
 
 def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:

@@ -39,7 +39,7 @@ from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
 from service.models import ModelStats, TensorModel
 from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelRegistry
 from service.repository import RepositoryError
-from service.security import TokenAuth, bearer_tokens, server_credentials
+from service.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.tracing import Tracing
@@ -442,7 +442,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
+        self._http: Any = None  # service.rest.RestServer, when --http-port is not -1
 
     def _options(self) -> list[tuple[str, Any]]:
         s = self.settings
@@ -469,14 +471,14 @@ class Server:
             await self.health.set(name, status.SERVING if ready else status.NOT_SERVING)
 
     async def start(self) -> None:
-        """Models first (a model that fails to load stops the start), then the ports."""
+        """Ports bound, models loaded (a model that fails to load stops the start), then serving."""
         s = self.settings
-        await self.registry.start()
         credentials = self._credentials
         tokens, admin = self._tokens, self._admin_tokens
         interceptors = [TokenAuth(tokens, admin)] if tokens or admin else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
-        server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self)),))
+        service = InferenceService(self)  # one data plane: the HTTP/REST front end calls the same service
+        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
@@ -494,7 +496,16 @@ class Server:
                 self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port)
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
+        if s.http_port >= 0:
+            from service.rest import RestServer  # aiohttp, only when HTTP is on
+
+            bearer = BearerTokens(self._tokens, self._admin_tokens)
+            self._http = RestServer(service, self.metrics, s, bearer, ssl_context(s))
+            self.http_port = self._http.bind(s.host, s.http_port)
+        await self.registry.start()  # the ports are bound (one in use stops the start), not yet serving
         await server.start()
+        if self._http is not None:
+            await self._http.start()
         for name in ["", *self.registry.ready_names()]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -513,6 +524,8 @@ class Server:
             log.warning("grace period over with %d requests still running", self.active)
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
+        if self._http is not None:
+            await self._http.stop()
         await self.registry.close()
         if self.tracing is not None:  # export what is buffered (bounded by the exporter's timeout)
             await asyncio.to_thread(self.tracing.shutdown)
@@ -538,9 +551,10 @@ async def _serve(settings: ServerSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.registry.served())
     log.info("settings: %s", settings.summary())
+    http = f"{settings.host}:{server.http_port}" if settings.http_port >= 0 else "off"
     print(
         f"qkv {__version__} serving {models or 'no models'} on grpc {settings.host}:{server.grpc_port} metrics "
-        f"{settings.metrics_host or settings.host}:{server.metrics_port}",
+        f"{settings.metrics_host or settings.host}:{server.metrics_port} http {http}",
         flush=True,
     )
     await stop.wait()

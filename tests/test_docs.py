@@ -349,6 +349,8 @@ def exposition(server: RunningServer) -> Exposition:
         with pytest.raises(grpc.RpcError) as refused:
             client.infer(g2p_request(["attention"], model="no-such-model"))
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10) as ready:
+        assert ready.status == 200  # an HTTP request, so that qkv_http_requests_total has a sample
     return Exposition(urllib.request.urlopen(server.metrics_url, timeout=10).read().decode())
 
 

@@ -15,6 +15,7 @@ from tests.conftest import ROOT, RunningServer
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 DEFAULT_URL = "127.0.0.1:8001"
+DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def blocks(language: str) -> list[str]:
@@ -69,3 +70,19 @@ def test_grpcurl_example_decodes_to_the_phonemes(server: RunningServer, tmp_path
     done = shell(pipeline, tmp_path)
     expected = next(line[2:] for line in lines if line.startswith("# "))
     assert done.returncode == 0 and done.stdout == expected, (done.stdout, done.stderr)
+
+
+def test_curl_examples_print_what_the_readme_says(server: RunningServer, tmp_path: Path) -> None:
+    [block] = [b for b in blocks("bash") if "generate_stream" in b]
+    commands = block.replace(DEFAULT_HTTP, server.http_url).replace("\\\n", "").splitlines()
+    run = [(c, commands[i + 1][2:] if i + 1 < len(commands) and commands[i + 1].startswith("# ") else None)
+           for i, c in enumerate(commands) if c.startswith("curl")]  # fmt: skip
+    assert len(run) == 3, run
+    for command, expected in run:
+        done = shell(command, tmp_path)
+        assert done.returncode == 0, (command, done.stderr)
+        if expected is not None:
+            assert done.stdout.strip() == expected, (command, done.stdout)
+        else:  # the stream: one event a word, then the whole
+            events = [e for e in done.stdout.split("\n\n") if e.startswith("data: ")]
+            assert len(events) == 3 and '"final": true' in events[-1], done.stdout

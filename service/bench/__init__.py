@@ -2,6 +2,7 @@
 
     qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
     qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
+    qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
 
 Every served figure is a ratio to a figure measured in the same run on the same machine (the
 in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--perf-analyzer", type=Path, metavar="BIN", help="cross-check with Triton's perf_analyzer")
     parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
     parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
+    parser.add_argument("--protocols", action="store_true", help="HTTP/REST against gRPC: c1 latency, throughput")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -80,6 +82,12 @@ def main(argv: list[str]) -> int:
 
         print(zoo_table(zoo_benchmark(args.out, args.seconds)))
         print(f"wrote {args.out / 'zoo.json'}, {args.out / 'zoo.md'}")
+        return 0
+    if args.protocols:
+        from service.bench.protocols import protocols, protocols_table
+
+        print(protocols_table(protocols(args.model_repository, args.out, args.seconds)))
+        print(f"wrote {args.out / 'protocols.json'}")
         return 0
     if args.suite:
         results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))

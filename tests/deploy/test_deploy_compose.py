@@ -61,7 +61,7 @@ def test_qkv_is_built_from_the_cpu_dockerfile_and_health_checked(compose: dict[s
     test = qkv["healthcheck"]["test"]
     assert test[:3] == ["CMD", "qkv", "health"], test
     published = {p.rsplit(":", 1)[-1] for p in qkv["ports"]}
-    assert published == {"8001", "8002"}
+    assert published == {"8000", "8001", "8002"}
     assert qkv["read_only"] is True and qkv["cap_drop"] == ["ALL"]
 
 

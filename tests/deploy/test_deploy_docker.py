@@ -119,7 +119,7 @@ def test_final_stage_runs_qkv_as_non_root_with_health_check(flavour: str) -> Non
     health = final.all("HEALTHCHECK")
     assert len(health) == 1 and re.search(r"\bCMD\b.*\bqkv health\b", health[0]), health
     exposed = {p for args in final.all("EXPOSE") for p in args.split()}
-    assert {"8001", "8002"} <= exposed
+    assert {"8000", "8001", "8002"} <= exposed
     assert final.all("ENTRYPOINT") == ['["qkv"]'] and final.all("CMD") == ['["serve"]']
     # The user exists: created in the final stage with the same uid.
     assert any(f"--uid {user}" in r for r in final.all("RUN")), "USER's uid is not created in the final stage"
@@ -131,7 +131,7 @@ def test_models_are_baked_in_and_found_by_default(flavour: str) -> None:
     assert "models/ /opt/qkv/models/" in final.all("COPY")
     env = env_of(final)
     assert env["QKV_MODEL_REPOSITORY"] == "/opt/qkv/models"
-    assert env["QKV_GRPC_PORT"] == "8001" and env["QKV_METRICS_PORT"] == "8002"
+    assert env["QKV_GRPC_PORT"] == "8001" and env["QKV_METRICS_PORT"] == "8002" and env["QKV_HTTP_PORT"] == "8000"
     assert env["QKV_DEVICE"] == {"cpu": "cpu", "cuda": "cuda"}[flavour]
     assert env["PATH"].startswith("/opt/qkv/venv/bin:")
 

@@ -106,9 +106,9 @@ def test_probes_are_native_grpc_on_8001(rendered: Rendered, overlay: str) -> Non
         assert c[probe]["grpc"]["port"] == 8001
         assert c[probe]["grpc"].get("service", "") == ""  # the server's overall health
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 8001, "metrics": 8002}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     cfg = config(rendered[overlay][1])
-    assert cfg["QKV_GRPC_PORT"] == "8001" and cfg["QKV_METRICS_PORT"] == "8002"
+    assert cfg["QKV_GRPC_PORT"] == "8001" and cfg["QKV_METRICS_PORT"] == "8002" and cfg["QKV_HTTP_PORT"] == "8000"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -177,6 +177,7 @@ def test_services_select_the_pods(rendered: Rendered, overlay: str) -> None:
     svc = one(docs, "Service", "qkv")
     assert matches(svc["spec"]["selector"], labels)
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        "http": (8000, "http"),
         "grpc": (8001, "grpc"),
         "metrics": (8002, "metrics"),
     }
@@ -208,7 +209,7 @@ def test_pdb_and_network_policy_select_the_pods(rendered: Rendered, overlay: str
     netpol = one(docs, "NetworkPolicy")
     assert matches(netpol["spec"]["podSelector"]["matchLabels"], labels)
     allowed = {p["port"] for rule in netpol["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {8001, 8002}
+    assert allowed == {8000, 8001, 8002}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -94,3 +94,14 @@ def test_bench_against_no_server_says_so_and_fails(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.startswith(f"qkv bench: cannot reach 127.0.0.1:{port}: UNAVAILABLE"), done.stderr
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_protocols_compares_http_and_grpc_on_one_server(tmp_path: Path) -> None:
+    done = bench("--protocols", "--seconds", "0.4", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "protocols.json").read_text())
+    for name in ("grpc", "http binary", "http json"):
+        for c in (1, report["concurrency"]):
+            run = report[f"{name} c{c}"]
+            assert run["requests"] > 0 and run["codes"] == {"OK": run["requests"]}, (name, run)
+        assert re.search(rf"^\| {name} \| [\d.]+ \|", done.stdout, re.MULTILINE), done.stdout

@@ -10,3 +10,17 @@ def test_import_service_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_aiohttp_is_imported_by_the_http_module_only() -> None:
+    """The HTTP/REST front end is one module; `--http-port -1` serves without importing aiohttp."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "service"
+    imports = re.compile(r"^\s*(import|from) aiohttp\b", re.MULTILINE)
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if imports.search(p.read_text()))
+    assert users == ["rest.py"], users
+    code = "import sys, service.server, service.cli; print('aiohttp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

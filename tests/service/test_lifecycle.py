@@ -42,6 +42,8 @@ def serve_exit(repo: Path) -> subprocess.CompletedProcess[str]:
         "0",
         "--metrics-port",
         "0",
+        "--http-port",
+        "0",
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -16,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as g
+import tritonclient.http as h
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -176,6 +180,40 @@ def test_token_file_from_the_environment(tmp_path: Path) -> None:
 # --- TLS and mutual TLS ----------------------------------------------------------------------------
 
 
+def _http(url: str, path: str, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None,
+          body: bytes | None = None) -> tuple[int, bytes]:  # fmt: skip
+    scheme = "https" if context else "http"
+    request = urllib.request.Request(f"{scheme}://{url}{path}", data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_http_needs_the_same_bearer_token_and_probes_stay_open(token_server: RunningServer) -> None:
+    url, generate = token_server.http_url, "/v2/models/g2p/generate"
+    body = b'{"text_input": "cat"}'
+    for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": TOKENS[0]},
+                    {"Authorization": f"Basic {TOKENS[0]}"}):  # fmt: skip
+        status, answer = _http(url, generate, headers, body=body)
+        assert status == 401 and "bearer token" in json.loads(answer)["error"], (headers, status)
+    for path in ("/v2", "/v2/models/g2p", "/v2/models/g2p/config", "/v2/models/stats"):  # every endpoint ...
+        assert _http(url, path)[0] == 401, path
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/g2p/ready"):  # ... but the probes
+        assert _http(url, path)[0] == 200, path
+    for token in TOKENS:
+        status, answer = _http(url, generate, {"Authorization": f"Bearer {token}"}, body=body)
+        assert status == 200 and json.loads(answer)["text_output"] == "K AE1 T"
+    c = h.InferenceServerClient(url)
+    x = h.InferInput("TEXT", [1], "BYTES")
+    x.set_data_from_numpy(np.array([b"cat"], dtype=object))
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("g2p", [x])
+    assert e.value.status() == "401"
+    assert c.infer("g2p", [x], headers={"Authorization": f"Bearer {TOKENS[1]}"}).as_numpy("PHONEMES")[0] == b"K AE1 T"
+
+
 @pytest.fixture(scope="module")
 def tls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     d = tmp_path_factory.mktemp("tls")
@@ -194,6 +232,19 @@ def test_tls_with_tritonclient(tls_server: RunningServer, pki: Pki) -> None:
     creds = grpc.ssl_channel_credentials(pki.server_cert.read_bytes())
     with Client(tls_server.url, timeout=10, credentials=creds) as qkv:
         assert qkv.g2p(["cat"]) == [phonemes[1].decode()]
+
+
+def test_http_serves_tls_with_the_same_certificate(tls_server: RunningServer, pki: Pki) -> None:
+    trusted = ssl.create_default_context(cafile=str(pki.server_cert))
+    assert _http(tls_server.http_url, "/v2/health/ready", context=trusted)[0] == 200
+    c = h.InferenceServerClient(tls_server.http_url, ssl=True, ssl_context_factory=lambda: trusted)
+    x = h.InferInput("TEXT", [1], "BYTES")
+    x.set_data_from_numpy(np.array([b"cat"], dtype=object))
+    assert c.infer("g2p", [x]).as_numpy("PHONEMES")[0] == b"K AE1 T"
+    with pytest.raises(urllib.error.URLError):  # a client that does not trust the certificate
+        _http(tls_server.http_url, "/v2/health/ready", context=ssl.create_default_context())
+    with pytest.raises((ConnectionError, http.client.HTTPException)):  # plaintext against the TLS port
+        _http(tls_server.http_url, "/v2/health/ready")
 
 
 def test_plaintext_client_against_the_tls_port_fails(tls_server: RunningServer) -> None:
@@ -246,6 +297,11 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(mtls_server: Runni
         certificate_chain=str(pki.client_cert),
     )
     assert c.is_server_ready()
+    client = ssl.create_default_context(cafile=str(pki.server_cert))
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # HTTP too: no client certificate, refused
+        _http(mtls_server.http_url, "/v2/health/ready", context=client)
+    client.load_cert_chain(pki.client_cert, pki.client_key)
+    assert _http(mtls_server.http_url, "/v2/health/ready", context=client)[0] == 200
 
 
 # --- message size and the metrics address ----------------------------------------------------------
@@ -283,7 +339,7 @@ def test_oversized_message_is_refused_by_grpc_and_metrics_bind_their_own_address
 
 def serve_exit(*args: str | Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model-repository", str(MODELS), "--host", "127.0.0.1",
-           "--grpc-port", "0", "--metrics-port", "0", *map(str, args)]  # fmt: skip
+           "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
@@ -354,6 +410,7 @@ def test_a_port_in_use_stops_the_start(tmp_path: Path) -> None:
         for flag, message in (
             ("--grpc-port", "cannot bind the gRPC port"),
             ("--metrics-port", "cannot bind the metrics port"),
+            ("--http-port", "cannot bind the HTTP port"),
         ):
             done = serve_exit(flag, port)  # given twice: the last one counts
             assert done.returncode != 0, flag

@@ -1,0 +1,428 @@
+"""The v2 REST protocol on --http-port, beside gRPC on the same event loop (docs/design.md, "HTTP/REST").
+
+One data plane: each handler turns its request into the protocol's protobuf message and awaits the
+`InferenceService` the gRPC server uses, so HTTP and gRPC requests batch together and share
+admission, limits, metrics and statistics; then it writes the answer as JSON (or JSON and Triton's
+binary tensor data). Bearer tokens and TLS as on gRPC; the health and readiness endpoints stay open.
+Triton's generate extension makes `curl` a complete client of g2p. aiohttp is imported here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import ssl
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+import numpy as np
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from service import protocol
+from service.codec import encode_bytes
+from service.errors import InvalidArgument, ServingError, clip, quote
+from service.metrics import UNKNOWN_MODEL, Metrics
+from service.models import normalize_word
+from service.rest_codec import (
+    InferBody,
+    encode_infer,
+    message_json,
+    output_data,
+    parse_infer,
+    parse_json,
+    set_parameters,
+)
+from service.security import BearerTokens
+
+__all__ = ["HTTP_STATUS", "MAX_STREAM_WORDS", "RestServer"]
+
+# A gRPC status name -> the HTTP status that answers it (the message is the same on both protocols).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 499,  # the client left; nobody reads it
+    "INTERNAL": 500,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# Content types a body may claim: JSON, the binary extension, and what `curl -d` sends unasked.
+CONTENT_TYPES = frozenset(
+    {"application/json", "application/octet-stream", "application/x-www-form-urlencoded", "text/plain"}
+)
+ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})  # decompressed by aiohttp, bounded as the body is
+MAX_STREAM_WORDS = 64  # generate_stream: words of one text (each its own request), as g2p's max_words
+Handler = Callable[[web.BaseRequest, str, str], Awaitable[web.StreamResponse]]
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp logs a request its HTTP parser refused (the client's fault, answered 400) as an error with
+    a traceback that quotes the client's bytes: dropped, so that no client writes to the server's log.
+    Every other error passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
+
+
+log = logging.getLogger("qkv.http")
+log.addFilter(_ClientFaults())
+
+
+class _Refused(Exception):
+    """A request answered before it reaches a model: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+        self.close = close  # the connection closes after the answer: what is left of the body is not read
+
+
+class _Call:
+    """Stands in for the grpc.aio context the InferenceService's methods take: its abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise _Refused(HTTP_STATUS.get(code.name, 500), details)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+@dataclass(frozen=True)
+class _Route:
+    endpoint: str  # the metric label
+    method: str
+    handler: Handler
+    open: bool = False  # answered without a bearer token (probes)
+    repository: bool = False  # the repository extension: an admin token, when the server has them
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _failed(e: ServingError) -> web.Response:
+    headers = {}
+    if e.retry_after_ms is not None:  # gRPC's grpc-retry-pushback-ms, in HTTP's whole seconds
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_ms / 1000)))
+    return _error(HTTP_STATUS.get(e.code, 500), e.message, headers)
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=json.dumps(doc, separators=(",", ":")).encode(), status=status, content_type="application/json"
+    )
+
+
+def _text_request(model: str, version: str, text: str, request_id: str, params: Any) -> Any:
+    """What generate sends the model: TEXT [1], as a gRPC client of g2p would."""
+    request = protocol.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(encode_bytes(np.array([text.encode()], dtype=object)))
+    set_parameters(request.parameters, params)
+    return request
+
+
+class RestServer:
+    """The HTTP/REST front end of one `Server`: bind at start (a port in use stops it), serve, stop."""
+
+    def __init__(self, service: Any, metrics: Metrics, settings: Any, tokens: BearerTokens, tls: ssl.SSLContext | None):
+        self.service, self.settings, self.tls = service, settings, tls
+        self.tokens = tokens
+        self.counter = metrics.http_requests
+        self._socket: socket.socket | None = None
+        self._runner: web.ServerRunner | None = None
+        model = {
+            "": _Route("model_metadata", "GET", self._metadata),
+            "ready": _Route("model_ready", "GET", self._model_ready, open=True),
+            "infer": _Route("infer", "POST", self._infer),
+            "config": _Route("model_config", "GET", self._config),
+            "stats": _Route("model_stats", "GET", self._stats),
+            "generate": _Route("generate", "POST", self._generate),
+            "generate_stream": _Route("generate_stream", "POST", self._generate_stream),
+        }
+        self._model_routes = model
+        self._server_routes = {
+            (): _Route("server_metadata", "GET", self._server_metadata),
+            ("health", "live"): _Route("live", "GET", self._live, open=True),
+            ("health", "ready"): _Route("ready", "GET", self._ready, open=True),
+            ("models", "stats"): _Route("model_stats", "GET", self._stats),
+            ("repository", "index"): _Route("repository_index", "POST", self._index, repository=True),
+        }
+        self._repository_routes = {
+            "load": _Route("repository_load", "POST", self._load, repository=True),
+            "unload": _Route("repository_unload", "POST", self._unload, repository=True),
+        }
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def bind(self, host: str, port: int) -> int:
+        """Bind the port now, so that a port in use stops the start before the models warm up."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._socket = socket.create_server((host, port), family=family, backlog=1024)
+        except OSError as e:
+            raise SystemExit(f"qkv: cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
+        return int(self._socket.getsockname()[1])
+
+    async def start(self) -> None:
+        assert self._socket is not None, "bind first"
+        loop = asyncio.get_running_loop()
+        limit = self.settings.max_message_bytes
+
+        def request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=limit)
+
+        server = web.Server(
+            self._handle,
+            request_factory=request,
+            handler_cancellation=True,  # a client that leaves cancels its request, as on gRPC
+            keepalive_timeout=self.settings.http_timeout,  # also bounds a request's headers: a slow client
+            logger=log,
+            access_log=None,  # --access-log writes one line per inference request, whatever the protocol
+            lingering_time=self.settings.http_timeout,  # the unread rest of a refused body, read and dropped
+        )
+        self._runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=self.settings.grace_period)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self._socket, ssl_context=self.tls, backlog=1024).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # --- every request --------------------------------------------------------------------------------
+
+    def _route(self, request: web.BaseRequest) -> tuple[_Route, str, str]:
+        """The route of a path, with the model and version it names; 404 or 405 when there is none."""
+        raw = request.rel_url.raw_path
+        parts = [urllib.parse.unquote(p) for p in raw.strip("/").split("/")]
+        route, model, version = None, "", ""
+        if parts[:1] == ["v2"]:
+            rest = tuple(parts[1:])
+            route = self._server_routes.get(rest)
+            if route is None and len(rest) == 4 and rest[:2] == ("repository", "models"):
+                model, route = rest[2], self._repository_routes.get(rest[3])
+            if route is None and len(rest) >= 2 and rest[0] == "models":
+                model, tail = rest[1], list(rest[2:])
+                if tail[:1] == ["versions"] and len(tail) >= 2:
+                    version, tail = tail[1], tail[2:]
+                if len(tail) <= 1:
+                    route = self._model_routes.get(tail[0] if tail else "")
+        if route is None:
+            raise _Refused(404, f"no endpoint {quote(raw)}: the v2 protocol's paths start /v2 (docs/design.md)")
+        if request.method != route.method and not (route.method == "GET" and request.method == "HEAD"):
+            raise _Refused(405, f"{route.method} is the method of {quote(raw)}", {"Allow": route.method})
+        return route, model, version
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        endpoint, model = "unknown", ""
+        try:
+            route, model, version = self._route(request)
+            endpoint = route.endpoint
+            authorization = request.headers.get("Authorization")
+            if not route.open and not self.tokens.allows(authorization, route.repository):
+                which = "admin " if self.tokens.wants_admin(route.repository) else ""
+                raise _Refused(
+                    401,
+                    f"missing or invalid {which}bearer token (send header 'Authorization: Bearer TOKEN')",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+            response = await route.handler(request, model, version)
+        except _Refused as e:
+            response = _error(e.status, e.message, e.headers)
+            if e.close:
+                response.force_close()
+        except ServingError as e:
+            response = _failed(e)
+        label = model if model in self.service.registry.models else UNKNOWN_MODEL if model else ""
+        self.counter.labels(label, endpoint, str(response.status)).inc()
+        return response
+
+    async def _body(self, request: web.BaseRequest) -> bytes:
+        """The request's body, within --max-message-bytes and --http-timeout, of a type JSON can be in."""
+        media = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if media and media not in CONTENT_TYPES:
+            raise _Refused(
+                415, f"Content-Type {quote(media)}: send application/json, or the binary extension's octet-stream"
+            )
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ENCODINGS:
+            raise _Refused(415, f"Content-Encoding {quote(encoding)}: gzip, deflate or none")
+        limit = self.settings.max_message_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _Refused(413, f"the body is {request.content_length:,} bytes, the limit is {limit:,}", close=True)
+        try:
+            async with asyncio.timeout(self.settings.http_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Refused(413, f"the body is over the limit of {limit:,} bytes", close=True) from None
+        except TimeoutError:
+            request.content.feed_eof()  # nothing more is waited for: answer, then close
+            timeout = self.settings.http_timeout
+            message = f"the body did not arrive within {timeout:g} s (more Content-Length than body?)"
+            raise _Refused(408, message, close=True) from None
+        except (HttpProcessingError, RequestPayloadError) as e:  # a broken chunked or compressed body
+            request.content.feed_eof()  # what follows is not read: aiohttp would raise the error again
+            raise _Refused(400, f"the body cannot be read: {clip(' '.join(str(e).split()), 200)}", close=True) from None
+
+    async def _call(self, method: str, request: Any) -> Any:
+        """An InferenceService method, as the gRPC server calls it."""
+        return await getattr(self.service, method)(request, _Call())
+
+    # --- health and metadata --------------------------------------------------------------------------
+
+    async def _live(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        live = (await self._call("ServerLive", protocol.ServerLiveRequest())).live
+        return web.Response(status=200 if live else 503)
+
+    async def _ready(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        ready = (await self._call("ServerReady", protocol.ServerReadyRequest())).ready
+        return web.Response(status=200 if ready else 503)
+
+    async def _model_ready(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        if (await self._call("ModelReady", protocol.ModelReadyRequest(name=model, version=version))).ready:
+            return web.Response(status=200)
+        # Not ready: a model it does not serve is 404 with gRPC's message, a served one (draining) 503.
+        await self._call("ModelMetadata", protocol.ModelMetadataRequest(name=model, version=version))
+        return _error(503, f"model {quote(model)} is not ready: the server is shutting down")
+
+    async def _server_metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        return _json(message_json(await self._call("ServerMetadata", protocol.ServerMetadataRequest())))
+
+    async def _metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        answer = await self._call("ModelMetadata", protocol.ModelMetadataRequest(name=model, version=version))
+        return _json(message_json(answer))
+
+    async def _config(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        answer = await self._call("ModelConfig", protocol.ModelConfigRequest(name=model, version=version))
+        return _json(message_json(answer.config))  # Triton answers the config itself, unwrapped
+
+    async def _stats(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        answer = await self._call("ModelStatistics", protocol.ModelStatisticsRequest(name=model, version=version))
+        return _json(message_json(answer))
+
+    async def _load(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        """Triton's load: {"parameters": {"config": "<config.json as a string>"}} (the body is optional)."""
+        body = await self._body(request)
+        doc = parse_json(body) if body.strip() else {}
+        params = doc.get("parameters", {})
+        if not isinstance(params, dict):
+            raise InvalidArgument('"parameters" must be an object')
+        load = protocol.RepositoryModelLoadRequest(model_name=model)
+        for key, value in params.items():
+            if not isinstance(value, str):
+                raise InvalidArgument(f"load parameter {quote(str(key))} must be a string")
+            load.parameters[key].string_param = value
+        await self._call("RepositoryModelLoad", load)
+        return web.Response(status=200)
+
+    async def _unload(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        await self._body(request)  # Triton's unload_dependents parameter: nothing depends on a qkv model
+        await self._call("RepositoryModelUnload", protocol.RepositoryModelUnloadRequest(model_name=model))
+        return web.Response(status=200)
+
+    def _carrier(self, request: web.BaseRequest) -> Any:
+        """The request's headers, for a traceparent, when the server traces."""
+        return request.headers if self.service.server.tracing is not None else None
+
+    async def _index(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        body = await self._body(request)
+        only_ready = bool(parse_json(body).get("ready", False)) if body.strip() else False
+        models = message_json(await self._call("RepositoryIndex", protocol.RepositoryIndexRequest()))["models"]
+        return _json([m for m in models if not only_ready or m["state"] == "READY"])
+
+    # --- inference ------------------------------------------------------------------------------------
+
+    async def _infer(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        body = await self._body(request)
+        parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
+        outcome = await self.service._answer(parsed.request, parsed.timeout, self._carrier(request))
+        if isinstance(outcome, ServingError):
+            return _failed(outcome)
+        data, header_length = encode_infer(outcome, parsed)
+        if header_length is None:
+            return web.Response(body=data, content_type="application/json")
+        return web.Response(
+            body=data, content_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)}
+        )
+
+    async def _text_input(self, request: web.BaseRequest) -> tuple[str, str, Any]:
+        """generate's body: {"text_input": "...", "id": "...", "parameters": {...}}."""
+        doc = parse_json(await self._body(request))
+        text = doc.get("text_input")
+        if not isinstance(text, str):
+            raise InvalidArgument('the body must have "text_input": a string of words')
+        request_id = doc.get("id", "")
+        if not isinstance(request_id, str):
+            raise InvalidArgument("id must be a string")
+        return text, request_id, doc.get("parameters", {})
+
+    async def _generate(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
+        text, request_id, params = await self._text_input(request)
+        outcome = await self.service._answer(
+            _text_request(model, version, text, request_id, params), None, self._carrier(request)
+        )
+        if isinstance(outcome, ServingError):
+            return _failed(outcome)
+        phonemes = str(output_data(outcome)["PHONEMES"][0])
+        words = [w for w in map(normalize_word, text.split()) if w]
+        doc = self._generated(outcome, phonemes)
+        doc["words"] = [{"word": w, "phonemes": p} for w, p in zip(words, phonemes.split(" | "), strict=False)]
+        return _json(doc)
+
+    @staticmethod
+    def _generated(outcome: Any, text_output: str) -> dict[str, Any]:
+        doc: dict[str, Any] = {"model_name": outcome.model_name, "model_version": outcome.model_version}
+        if outcome.id:
+            doc["id"] = outcome.id
+        doc["text_output"] = text_output
+        return doc
+
+    async def _generate_stream(self, request: web.BaseRequest, model: str, version: str) -> web.StreamResponse:
+        """generate as server-sent events: each word is its own request, all sent at once (they batch
+        together), and each word's event goes out, in the text's order, as soon as it and those before it
+        are done; a last event carries the whole text_output. Until the first word is done the answer can
+        still be an error status; a later failure is an `error` event, and the stream ends."""
+        text, request_id, params = await self._text_input(request)
+        tokens = [t for t in text.split() if normalize_word(t)] or [text]  # nothing to say: the model says why
+        if len(tokens) > MAX_STREAM_WORDS:
+            raise InvalidArgument(f"text_input has {len(tokens)} words, the limit is {MAX_STREAM_WORDS}")
+        tasks = [
+            asyncio.create_task(self.service._answer(_text_request(model, version, t, request_id, params), None))
+            for t in tokens
+        ]
+        try:
+            first = await tasks[0]
+            if isinstance(first, ServingError):
+                return _failed(first)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            said = []
+            for index, task in enumerate(tasks):
+                outcome = first if index == 0 else await task
+                if isinstance(outcome, ServingError):
+                    await response.write(f"event: error\ndata: {json.dumps({'error': outcome.message})}\n\n".encode())
+                    break
+                phonemes = str(output_data(outcome)["PHONEMES"][0])
+                said.append(phonemes)
+                event = self._generated(outcome, phonemes) | {"index": index, "word": normalize_word(tokens[index])}
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            else:
+                final = self._generated(first, " | ".join(said)) | {"final": True}
+                await response.write(f"data: {json.dumps(final)}\n\n".encode())
+            await response.write_eof()
+            return response
+        finally:
+            for task in tasks:
+                task.cancel()
