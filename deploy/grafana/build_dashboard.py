@@ -335,6 +335,22 @@ def _layout() -> list[tuple[Panel, int, int]]:
             6,
             7,
         ),
+        (
+            _timeseries(
+                "Requests by model version",
+                "Inference requests per second answered by each model version (qkv_requests_total): traffic "
+                "moving from one version to the next as it loads, and the old one draining.",
+                "reqps",
+                _targets(
+                    (
+                        f'sum by (model, version) (rate(qkv_requests_total{{{SEL},version!=""}}[$__rate_interval]))',
+                        "{{model}} v{{version}}",
+                    ),
+                ),
+            ),
+            24,
+            8,
+        ),
     ]
 
 

@@ -24,7 +24,7 @@ PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DOCKER = DEPLOY / "docker"
 COMPOSE = ROOT / "docker-compose.yml"
-OVERLAYS = ("cpu", "gpu", "cpu-tracing")
+OVERLAYS = ("cpu", "gpu", "cpu-tracing", "cpu-poll")
 
 # docs/design.md, "Metrics": name -> type. Prometheus exposes histograms as _bucket/_sum/_count
 # and counters with _total (prometheus_client adds _created beside them).

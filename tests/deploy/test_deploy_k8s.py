@@ -91,6 +91,7 @@ def test_overlay_has_every_resource(rendered: Rendered, overlay: str) -> None:
             "NetworkPolicy",
             "ServiceMonitor",
             "PrometheusRule",
+            *(["PersistentVolumeClaim"] if overlay == "cpu-poll" else []),
         ]
     )
     for d in rendered[overlay][1]:
@@ -128,9 +129,10 @@ def test_settings_come_from_the_configmap(rendered: Rendered, overlay: str) -> N
     refs = [e["configMapRef"]["name"] for e in container(docs)["envFrom"]]
     assert refs == [cm["metadata"]["name"]]
     assert all(key.startswith(("QKV_", "OTEL_")) for key in cm["data"])  # OTEL_*: the OpenTelemetry SDK's
-    assert cm["data"]["QKV_MODEL_REPOSITORY"] == "/opt/qkv/models"
+    # The image's repository, or (cpu-poll) the shared volume polled for new versions
+    assert cm["data"]["QKV_MODEL_REPOSITORY"] == ("/srv/models" if overlay == "cpu-poll" else "/opt/qkv/models")
     assert int(cm["data"]["QKV_MAX_CONNECTION_AGE"]) > 0  # clients reconnect and spread over pods
-    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda", "cpu-tracing": "cpu"}[overlay]
+    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda", "cpu-tracing": "cpu", "cpu-poll": "cpu"}[overlay]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -327,3 +329,18 @@ def test_tracing_overlay_sends_otlp_to_the_collector_and_only_there(rendered: Re
     assert ports == {4317, 53}
     assert not config(rendered["cpu"][1]).keys() & {"OTEL_EXPORTER_OTLP_ENDPOINT", "QKV_TRACE_SAMPLE_RATIO"}
     assert one(rendered["cpu"][1], "NetworkPolicy")["spec"]["egress"] == []
+
+
+def test_poll_overlay_serves_the_shared_volume_in_poll_mode(rendered: Rendered) -> None:
+    docs = rendered["cpu-poll"][1]
+    settings = config(docs)
+    assert settings["QKV_MODEL_CONTROL_MODE"] == "poll" and float(settings["QKV_REPOSITORY_POLL_SECS"]) > 0
+    changed = {k for k in settings if settings[k] != config(rendered["cpu"][1]).get(k)}
+    assert changed == {"QKV_MODEL_CONTROL_MODE", "QKV_MODEL_REPOSITORY", "QKV_REPOSITORY_POLL_SECS"}
+    pvc = one(docs, "PersistentVolumeClaim", "qkv-models")
+    assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+    volume = next(v for v in pod_spec(docs)["volumes"] if v["name"] == "models")
+    assert volume["persistentVolumeClaim"] == {"claimName": "qkv-models", "readOnly": True}
+    mount = next(m for m in container(docs)["volumeMounts"] if m["name"] == "models")
+    assert mount["mountPath"] == settings["QKV_MODEL_REPOSITORY"] and mount["readOnly"] is True
+    assert container(docs)["securityContext"]["readOnlyRootFilesystem"] is True

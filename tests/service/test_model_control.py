@@ -6,6 +6,8 @@ import json
 import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -163,8 +165,6 @@ def test_explicit_load_and_unload_through_tritonclient(
 
 
 def _metrics(server: RunningServer) -> str:
-    import urllib.request
-
     return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
 
 
@@ -434,3 +434,29 @@ def test_poll_mode_follows_the_repository(tmp_path: Path) -> None:
             assert status_of(lambda: infer_scale(client, "more"))[0] == "StatusCode.NOT_FOUND"
     finally:
         stop_server(server)
+
+
+def test_load_and_unload_over_http(explicit: Explicit) -> None:
+    server, client, _ = explicit
+
+    def post(path: str, body: dict[str, object] | None = None) -> tuple[int, str]:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(f"http://{server.http_url}{path}", data=data, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert post("/v2/repository/models/scale/load") == (200, "")
+    assert infer_scale(client) == (1.0, "1")
+    config = json.dumps({"batching": {"bogus": 1}})
+    status, body = post("/v2/repository/models/scale/load", {"parameters": {"config": config}})
+    assert status == 400 and "unknown setting(s) ['bogus']" in json.loads(body)["error"]
+    assert infer_scale(client) == (1.0, "1")
+    status, body = post("/v2/repository/index")
+    assert status == 200 and {"name": "scale", "version": "1", "state": "READY", "reason": ""} in json.loads(body)
+    assert post("/v2/repository/models/scale/unload") == (200, "")
+    assert not client.is_model_ready("scale")
+    status, body = post("/v2/repository/models/nope/load")
+    assert status == 404 and "no model 'nope'" in json.loads(body)["error"]
