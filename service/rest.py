@@ -346,7 +346,9 @@ class RestServer:
     async def _infer(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         body = await self._body(request)
         parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
-        outcome = await self.service._answer(parsed.request, parsed.timeout, self._carrier(request))
+        outcome = await self.service._answer(
+            parsed.request, parsed.timeout, self._carrier(request), "POST /v2/models/{model}/infer"
+        )
         if isinstance(outcome, ServingError):
             return _failed(outcome)
         data, header_length = encode_infer(outcome, parsed)
@@ -371,7 +373,10 @@ class RestServer:
         """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
         text, request_id, params = await self._text_input(request)
         outcome = await self.service._answer(
-            _text_request(model, version, text, request_id, params), None, self._carrier(request)
+            _text_request(model, version, text, request_id, params),
+            None,
+            self._carrier(request),
+            "POST /v2/models/{model}/generate",
         )
         if isinstance(outcome, ServingError):
             return _failed(outcome)

@@ -204,8 +204,14 @@ class Tracing:
         HTTP headers); None when it is not sampled."""
         headers = carrier if isinstance(carrier, Mapping) else dict(carrier or ())
         parent = self.propagator.extract(headers)
-        attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method}
-        span = self.tracer.start_span(f"{SERVICE}/{method}", parent, SpanKind.SERVER, attributes)
+        if " " in method:  # HTTP/REST: "POST /v2/models/{model}/infer", named as HTTP server spans are
+            verb, route = method.split(" ", 1)
+            attributes = {"http.request.method": verb, "http.route": route}
+            name = method
+        else:
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method}
+            name = f"{SERVICE}/{method}"
+        span = self.tracer.start_span(name, parent, SpanKind.SERVER, attributes)
         return RequestTrace(span) if span.is_recording() else None
 
     def join_counter(self) -> JoinCounter:
@@ -237,8 +243,9 @@ class Tracing:
             self.tracer.start_span("qkv.queue", parent, start_time=t.ns(start)).end(t.ns(began))
         if t.started is not None:
             self._compute(t, parent, end, model is not None and model.kind == "g2p")
-        attributes: dict[str, Any] = {"rpc.grpc.status_code": grpc.StatusCode[code].value[0], "qkv.status": code,
-                                      "qkv.seq_len": seq_len}  # fmt: skip
+        attributes: dict[str, Any] = {"qkv.status": code, "qkv.seq_len": seq_len}
+        if "rpc.system" in (getattr(span, "attributes", None) or {}):
+            attributes["rpc.grpc.status_code"] = grpc.StatusCode[code].value[0]
         if model is not None:
             attributes |= {"qkv.model": model.name, "qkv.model.version": model.version}
         if t.words is not None:
