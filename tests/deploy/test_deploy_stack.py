@@ -43,6 +43,10 @@ NO_SERVER = ("failed to connect to all addresses", "DNS resolution failed")  # n
 LOAD_SCRIPT = ROOT / "tests" / "deploy" / "stack_load.py"
 
 
+# Each an empty compose variable: a free host port, so that replicas and other stacks do not collide.
+FREE_HOST_PORTS = ("QKV_HTTP_HOST_PORT", "QKV_GRPC_HOST_PORT", "QKV_METRICS_HOST_PORT", "PROMETHEUS_HOST_PORT")
+
+
 def _engine() -> None:
     """The tests need a Docker engine: fail without one in CI, skip elsewhere."""
     docker = shutil.which("docker")
@@ -134,7 +138,10 @@ def stack() -> Iterator[Stack]:
             "DOCKER_BUILDKIT": "0",  # the classic builder: BuildKit's frontend image comes from a registry
             "COMPOSE_DOCKER_CLI_BUILD": "0",
             "QKV_TAG": f"test{os.getpid()}",
-            **{v: "" for v in ("QKV_GRPC_HOST_PORT", "QKV_METRICS_HOST_PORT", "PROMETHEUS_HOST_PORT")},
+            **{
+                v: ""
+                for v in ("QKV_HTTP_HOST_PORT", "QKV_GRPC_HOST_PORT", "QKV_METRICS_HOST_PORT", "PROMETHEUS_HOST_PORT")
+            },
         },
     )
     ok(run(["bash", str(ROOT / "deploy" / "docker" / "offline-bases.sh")], timeout=900))
@@ -208,6 +215,13 @@ def test_answers_through_the_published_port_equal_a_local_servers(stack: Stack, 
     np.testing.assert_allclose(served["encoder"], local["encoder"], atol=1e-5)
     metrics = urllib.request.urlopen(f"http://{stack.address('qkv', 8002)}/metrics", timeout=10).read().decode()
     assert 'qkv_requests_total{code="OK",model="g2p",version="1"}' in metrics
+    generate = urllib.request.Request(
+        f"http://{stack.address('qkv', 8000)}/v2/models/g2p/generate",
+        data=json.dumps({"text_input": f"{WORDS[0]} {WORDS[1]}"}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(generate, timeout=10) as answer:  # HTTP/REST through its published port
+        assert json.loads(answer.read())["text_output"] == b" | ".join(served["unary"][:2]).decode()
 
 
 def _exec(stack: Stack, container: str, script: str) -> tuple[int, str]:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as g
+import tritonclient.grpc.aio as ga
 import tritonclient.http as h
 import tritonclient.http.aio as ha
 from hypothesis import HealthCheck, given, settings
@@ -36,7 +37,9 @@ WORDS = [b"attention", b"transformer", b"hello"]
 FUZZ: Counter[str] = Counter()  # cases sent, by kind: printed with the run's figures
 ANSWERS: Counter[int] = Counter()  # the random cases' answers, by HTTP status
 # One encoder instance, FIFO batches padded to their longest request, which wait for company while it runs.
-ONE_INSTANCE = {"g2p_encoder": {"instances": 1, "batching": {"length_aware": False, "inline_max_tokens": 0}}}
+ONE_INSTANCE = {
+    "g2p_encoder": {"instances": 1, "batching": {"length_aware": False, "inline_max_tokens": 0, "token_budget": 8192}}
+}
 
 
 @pytest.fixture(scope="module")
@@ -248,22 +251,21 @@ def test_http_and_grpc_requests_batch_together(web: RunningServer) -> None:
             'qkv_batch_tokens_total{kind="padding",model="g2p_encoder",version="1"}', 0.0
         )
 
-    def send(module: Any, url: str, seq: int) -> None:
-        client = module.InferenceServerClient(url)
+    async def burst() -> None:
+        """8 HTTP requests of 8 tokens and 8 gRPC requests of 16, all at once: while the one instance
+        computes the first, the others queue, and the next batch pads the short ones to 16."""
+        web_client, grpc_client = ha.InferenceServerClient(web.http_url), ga.InferenceServerClient(web.url)
         try:
-            for _ in range(30):
-                client.infer("g2p_encoder", encoder_inputs(module, True, rows=1, seq=seq))
+            calls = [web_client.infer("g2p_encoder", encoder_inputs(h, True, rows=1, seq=8)) for _ in range(8)]
+            calls += [grpc_client.infer("g2p_encoder", encoder_inputs(g, True, rows=1, seq=16)) for _ in range(8)]
+            await asyncio.gather(*calls)
         finally:
-            client.close()  # in its own thread: gevent's pool cannot be joined from the collector
+            await web_client.close()
+            await grpc_client.close()
 
     before = padding()
-    clients = [(h, web.http_url, 8), (h, web.http_url, 8), (g, web.url, 16), (g, web.url, 16)]
-    for _ in range(5):  # rounds until two requests meet in a queue (timing, on a busy machine)
-        threads = [threading.Thread(target=send, args=client) for client in clients]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    for _ in range(5):  # rounds until two requests of different lengths meet in a queue
+        asyncio.run(burst())
         if padding() > before:
             break
     assert padding() > before

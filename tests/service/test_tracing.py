@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from service import protocol
 from service.bench.collector import Collector
+from service.bench.servers import variant
 from service.client import Client, g2p_request, new_traceparent
 from service.loadgen import encoder_request
 from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
@@ -83,13 +84,8 @@ def traced(collector: Collector, tmp_path_factory: pytest.TempPathFactory) -> It
     # The shipped models, the encoder with batching given rather than tuned: requests sent together
     # share batches however noisy the machine's measurements at start.
     here = tmp_path_factory.mktemp("traced")
-    for model in ("g2p", "g2p_encoder"):
-        (here / "models" / model).mkdir(parents=True)
-        (here / "models" / model / "1").symlink_to(MODELS / model / "1")
-        config = json.loads((MODELS / model / "config.json").read_text())
-        if model == "g2p_encoder":
-            config["batching"] = {"token_budget": 16384, "inline_max_tokens": 0, "max_queue_delay_ms": 5}
-        (here / "models" / model / "config.json").write_text(json.dumps(config))
+    batching = {"token_budget": 16384, "inline_max_tokens": 0, "max_queue_delay_ms": 5}
+    variant(MODELS, here / "models", {"g2p_encoder": {"batching": batching}})
     args = ["--trace-sample-ratio", "1", "--model-repository", str(here / "models")]
     s = start_server(args, here / "server.log", env)
     yield s
