@@ -65,7 +65,9 @@ def test_one_streams_requests_run_together(server: RunningServer) -> None:
     """Requests sent back to back on one stream are in flight at once, so they share batches:
     fewer runs than requests. (Answered one at a time, every request would be a run of its own.)"""
     rng = np.random.default_rng(1)
-    requests = [encoder_request(16, 33, rng) for _ in range(48)]  # short: several fit one batch's token budget
+    # 64 tokens: far more compute than a hand-off (never computed inline, alone), and several fit one
+    # batch's token budget
+    requests = [encoder_request(64, 33, rng) for _ in range(48)]
     for i, r in enumerate(requests):
         r.id = str(i)
     with grpc.insecure_channel(server.url) as channel:
