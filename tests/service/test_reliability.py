@@ -231,24 +231,25 @@ def test_no_file_descriptor_leak_over_thousands_of_requests(repo: Path, tmp_path
     bad = encoder_request(4, VOCAB, np.random.default_rng(5))
     bad.inputs[1].shape[1] = 5  # type: ignore[attr-defined]  # INVALID_ARGUMENT
 
-    async def burst(n: int) -> Counter[str]:
+    async def burst(n: int) -> Counter[tuple[str, str]]:
         """`n` requests on a fresh connection (opened and closed), mixed good and bad, some cancelled by deadline."""
-        out: Counter[str] = Counter()
+        out: Counter[tuple[str, str]] = Counter()
         async with grpc.aio.insecure_channel(s.url) as channel:
             stub = protocol.Stub(channel)
 
             async def one(i: int) -> None:
+                kind = "bad" if i % 5 == 0 else "good"
                 try:
                     await stub.ModelInfer(bad if i % 5 == 0 else good, timeout=0.001 if i % 50 == 1 else 10)
-                    out["OK"] += 1
+                    out[kind, "OK"] += 1
                 except grpc.aio.AioRpcError as e:
-                    out[e.code().name] += 1
+                    out[kind, e.code().name] += 1
 
             await asyncio.gather(*(one(i) for i in range(n)))
         return out
 
-    async def many(connections: int, per: int) -> Counter[str]:
-        total: Counter[str] = Counter()
+    async def many(connections: int, per: int) -> Counter[tuple[str, str]]:
+        total: Counter[tuple[str, str]] = Counter()
         for _ in range(connections):
             total += await burst(per)
         return total
@@ -261,7 +262,11 @@ def test_no_file_descriptor_leak_over_thousands_of_requests(repo: Path, tmp_path
         time.sleep(1.0)  # closed connections are reaped
         after = fds(pid)
         print(f"\nfds: {before} before, {after} after {sum(codes.values())} requests on 30 connections {dict(codes)}")
-        assert sum(codes.values()) == 3000 and codes["OK"] > 2000 and codes["INVALID_ARGUMENT"] == 600
+        assert sum(codes.values()) == 3000 and codes["good", "OK"] > 2000
+        # A bad request is refused as bad, unless it is refused first for overload (a busy test machine
+        # starves the low-priority compute threads, and admission refuses what the queue cannot serve).
+        bad_codes = {code for kind, code in codes if kind == "bad"}
+        assert codes["bad", "INVALID_ARGUMENT"] >= 500 and bad_codes <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
         assert after <= before + 3, (before, after)
     finally:
         stop_server(s)
