@@ -176,9 +176,16 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
 
 
 def write_repository(
-    loaded: Loaded, repository: Path, parity_words: list[str], metrics: dict[str, Any] | None = None, version: str = "1"
+    loaded: Loaded,
+    repository: Path,
+    parity_words: list[str],
+    metrics: dict[str, Any] | None = None,
+    version: str = "1",
+    beside: bool = False,
 ) -> dict[str, Any]:
-    """Export, check parity, then write models/g2p and models/g2p_encoder (replacing them)."""
+    """Export, check parity, then write models/g2p and models/g2p_encoder: replacing them, or with `beside`,
+    as `version` next to the versions already there, all served (version_policy "all"). The model card
+    describes the newest version; the cards of the others move under its "versions"."""
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
         paths = export_graphs(loaded.model, staging)
@@ -188,8 +195,9 @@ def write_repository(
         if parity["max_abs_diff"] > LOGIT_TOLERANCE or parity["greedy_identical"] != parity["greedy_words"]:
             raise RuntimeError(f"ONNX graphs disagree with PyTorch: {parity}")
         g2p, enc = repository / "g2p", repository / "g2p_encoder"
+        earlier = {d: _earlier_cards(d, version) if beside else {} for d in (g2p, enc)}
         for d in (g2p, enc):
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(d / version if beside else d, ignore_errors=True)
             (d / version).mkdir(parents=True)
         for name in (ENCODER_FILE, DECODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE):
             shutil.copy(staging / name, g2p / version / name)
@@ -213,7 +221,7 @@ def write_repository(
         "parity": parity,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    g2p_config = {
+    g2p_config: dict[str, Any] = {
         "name": "g2p",
         "kind": "g2p",
         "max_batch_size": 64,
@@ -228,7 +236,7 @@ def write_repository(
             "sha256": file_hashes(g2p / version),
         },
     }
-    enc_config = {
+    enc_config: dict[str, Any] = {
         "name": "g2p_encoder",
         "kind": "tensor",
         "max_batch_size": 64,
@@ -245,9 +253,28 @@ def write_repository(
             "sha256": file_hashes(enc / version),
         },
     }
-    (g2p / "config.json").write_text(json.dumps(g2p_config, indent=2) + "\n")
-    (enc / "config.json").write_text(json.dumps(enc_config, indent=2) + "\n")
+    for d, config in ((g2p, g2p_config), (enc, enc_config)):
+        if beside:
+            config["version_policy"] = {"all": {}}
+            if earlier[d]:
+                config["model_card"]["versions"] = earlier[d]
+        (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return g2p_config
+
+
+def _earlier_cards(model_dir: Path, version: str) -> dict[str, Any]:
+    """The model cards of a model's other versions, by version: the card of its newest one (the
+    config.json's own) and those kept under its "versions"."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        return {}
+    card = json.loads(path.read_text()).get("model_card", {})
+    cards = dict(card.pop("versions", {}))
+    numbered = sorted((int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
+    others = [str(v) for v in numbered if str(v) != version]
+    if others and others[0] not in cards:
+        cards[others[0]] = card
+    return {v: cards[v] for v in others if v in cards}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity-words", type=int, default=1000, help="test words decoded by both runtimes")
     parser.add_argument("--no-evaluate", action="store_true", help="skip the test-split WER/PER of the export")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--version",
+        help="write this version beside the versions already in the repository, all of them served "
+        "(default: replace the models with version 1)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if len(args.checkpoint) > 1:
@@ -272,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loaded = load_checkpoint(args.checkpoint[0], max_len=MAX_SEQUENCE_LENGTH)
     words = random.Random(0).sample(data.read_split("test"), args.parity_words)
-    config = write_repository(loaded, args.model_repository, words)
+    if args.version is not None and not args.version.isdigit():
+        parser.error(f"--version {args.version}: a version is a number")
+    config = write_repository(loaded, args.model_repository, words, version=args.version or "1",
+                              beside=args.version is not None)  # fmt: skip
     print(f"parity: {config['model_card']['parity']}")
     if not args.no_evaluate:
         from export.evaluate import evaluate_repository, record_in_card

@@ -4,8 +4,10 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as g
 
 from export import data
 from export.checkpoint import load_checkpoint
@@ -14,6 +16,7 @@ from export.onnx_export import write_repository
 from export.train import TrainConfig, train
 from service.generation import greedy_decode
 from service.seq2seq import OnnxSeq2Seq
+from tests.conftest import start_server, stop_server
 
 
 def tiny(out: Path, epochs: int) -> TrainConfig:
@@ -117,3 +120,31 @@ def test_a_checkpoint_recovered_from_the_exported_graphs_has_the_trained_weights
     trained = loaded.model.state_dict()
     for key, value in rebuilt.state_dict().items():
         assert torch.equal(value, trained[key]), key
+
+
+def test_a_new_version_is_exported_beside_the_old_and_both_are_served(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    words = data.read_split("test")[:20]
+    first = write_repository(load_checkpoint(tiny_checkpoint, max_len=128), tmp_path, words)
+    second = write_repository(
+        load_checkpoint(tiny_checkpoint.parent / "last.pt", max_len=128), tmp_path, words, version="2", beside=True
+    )
+    for model in ("g2p", "g2p_encoder"):
+        config = json.loads((tmp_path / model / "config.json").read_text())
+        assert config["version_policy"] == {"all": {}}
+        assert sorted(p.name for p in (tmp_path / model).iterdir() if p.is_dir()) == ["1", "2"]
+        assert config["model_card"]["versions"]["1"]["sha256"] != config["model_card"]["sha256"]
+    assert second["model_card"]["versions"]["1"] == first["model_card"]
+    assert second["model_card"]["training"]["steps"] > first["model_card"]["training"]["steps"] or (
+        second["model_card"]["sha256"] != first["model_card"]["sha256"]
+    )
+    server = start_server(["--model-repository", str(tmp_path)], tmp_path / "server.log")
+    try:
+        with g.InferenceServerClient(server.url) as client:
+            assert client.get_model_metadata("g2p").versions == ["1", "2"]
+            text = g.InferInput("TEXT", [1], "BYTES")
+            text.set_data_from_numpy(np.array([b"cat"], dtype=object))
+            answered = {v: client.infer("g2p", [text], model_version=v).get_response().model_version for v in "12"}
+            assert answered == {"1": "1", "2": "2"}
+            assert client.infer("g2p", [text]).get_response().model_version == "2"  # the newest by default
+    finally:
+        stop_server(server)
