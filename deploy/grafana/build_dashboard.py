@@ -348,7 +348,23 @@ def _layout() -> list[tuple[Panel, int, int]]:
                     ),
                 ),
             ),
-            24,
+            12,
+            8,
+        ),
+        (
+            _timeseries(
+                "HTTP/REST requests by endpoint and status",
+                "HTTP requests per second by endpoint and HTTP status (qkv_http_requests_total); inference "
+                "requests of both protocols are in the panels above.",
+                "reqps",
+                _targets(
+                    (
+                        f"sum by (endpoint, code) (rate(qkv_http_requests_total{{{SEL}}}[$__rate_interval]))",
+                        "{{endpoint}} {{code}}",
+                    ),
+                ),
+            ),
+            12,
             8,
         ),
     ]

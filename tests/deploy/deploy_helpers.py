@@ -39,6 +39,7 @@ METRICS = {
     "qkv_queue_depth": "gauge",
     "qkv_tokens": "counter",
     "qkv_model_info": "gauge",
+    "qkv_http_requests": "counter",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}

@@ -63,6 +63,7 @@ def exporter() -> Iterator[int]:
     depth = Gauge("qkv_queue_depth", "queue depth", ["model", "version"], registry=reg)
     tokens = Counter("qkv_tokens", "tokens", ["model", "version", "direction"], registry=reg)
     info = Gauge("qkv_model_info", "model", ["model", "version", "provider"], registry=reg)
+    http = Counter("qkv_http_requests", "http", ["model", "endpoint", "code"], registry=reg)
     for model in ("g2p", "g2p_encoder"):
         info.labels(model, "1", "CPUExecutionProvider").set(1)
 
@@ -84,6 +85,7 @@ def exporter() -> Iterator[int]:
                 tokens.labels(model, "1", "output").inc(50)
                 inflight.labels(model, "1").set(rnd.randint(0, 4))
                 depth.labels(model, "1").set(rnd.randint(0, 8))
+                http.labels(model, "infer", "200").inc(3)
             stop.wait(0.1)
 
     worker = threading.Thread(target=traffic, daemon=True)
