@@ -39,7 +39,17 @@ from service.runtime import G2PRuntime, TensorRuntime, choose_providers
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.tracing import Tracing
 
-__all__ = ["LOADING", "READY", "UNAVAILABLE", "UNLOADING", "LoadFailed", "Model", "ModelRegistry", "VersionState"]
+__all__ = [
+    "LOADING",
+    "READY",
+    "UNAVAILABLE",
+    "UNLOADING",
+    "LoadFailed",
+    "Model",
+    "ModelRegistry",
+    "VersionState",
+    "one_malloc_arena",
+]
 
 log = logging.getLogger("qkv.registry")
 
@@ -80,6 +90,19 @@ class ServedModel:
 
     def newest(self) -> Model | None:
         return self.versions[max(self.versions, key=int)] if self.versions else None
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def one_malloc_arena() -> None:
+    """Every thread allocates from glibc's main heap, called before the first threads start. Sessions are
+    built on worker threads; in per-thread arenas, what an unloaded version freed could stay resident
+    (unload after unload left 32 MiB of a 70 MiB model in one run of three), while free pages anywhere
+    in the main heap go back to the system with malloc_trim (every unload returned to within 1 MiB).
+    onnxruntime's tensors come from its own arena, so compute threads rarely call malloc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
 
 
 def _return_freed_memory() -> None:

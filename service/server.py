@@ -37,7 +37,7 @@ from service.errors import (
 )
 from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
 from service.models import ModelStats, TensorModel
-from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelRegistry
+from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelRegistry, one_malloc_arena
 from service.repository import RepositoryError
 from service.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 
@@ -565,6 +565,7 @@ async def _serve(settings: ServerSettings) -> int:
 
 
 def serve(settings: ServerSettings) -> int:
+    one_malloc_arena()  # before any thread: memory an unloaded model frees goes back to the system
     logs.configure(settings.log_level, settings.access_log)
     try:
         return asyncio.run(_serve(settings))

@@ -392,14 +392,12 @@ def test_memory_returns_after_unload(explicit: Explicit) -> None:
     FIGURES["memory over load and unload (16 MiB of weights, 2 instances)"] = {
         "RSS before, then after each of 3 loads and unloads": " / ".join(f"{r:.0f}" for r in rss) + " MiB",
     }
-    # The first load of a graph leaves process-wide onnxruntime state behind (its kernels' and thread pools'
-    # allocations); from then on, each unload gives back what its load took, and nothing accumulates.
-    settled = rss[2]
-    for loaded, unloaded in zip(rss[3::2], rss[4::2], strict=True):
-        grew = loaded - settled
+    # Each unload gives back what its load took (the server allocates from one glibc heap, which
+    # malloc_trim can hand back anywhere), and nothing accumulates over cycles.
+    for loaded, unloaded in zip(rss[1::2], rss[2::2], strict=True):
+        grew = loaded - rss[0]
         assert grew > 16, f"loading 16 MiB of weights grew RSS by {grew:.1f} MiB: {rss}"
-        assert unloaded - settled < 0.25 * grew + 8, rss
-    assert rss[-1] - rss[0] < 48, rss
+        assert unloaded - rss[0] < 0.25 * grew + 8, rss
 
 
 def test_poll_mode_follows_the_repository(tmp_path: Path) -> None:
