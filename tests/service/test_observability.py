@@ -54,8 +54,8 @@ def sample(text: str, name: str, **labels: str) -> float:
 class Load:
     """Requests of every length bucket plus a few bad ones, until stopped; counts what it sent."""
 
-    def __init__(self, url: str) -> None:
-        self.url, self.stop = url, threading.Event()
+    def __init__(self, url: str, http_url: str) -> None:
+        self.url, self.http_url, self.stop = url, http_url, threading.Event()
         self.sent = {"ok": 0, "invalid": 0, "tokens": 0}
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -73,6 +73,8 @@ class Load:
                     stub.ModelInfer(g2p_request(["naïve"]), timeout=30)
                 except grpc.RpcError:
                     self.sent["invalid"] += 1
+                # and over HTTP, a readiness probe (counted in qkv_http_requests_total, not as inference)
+                urllib.request.urlopen(f"http://{self.http_url}/v2/models/g2p/ready", timeout=30).close()
                 time.sleep(0.02)
 
     def __enter__(self) -> Load:
@@ -109,7 +111,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSer
         stdout=subprocess.DEVNULL,
         stderr=prom_log,
     )
-    load = Load(server.url)
+    load = Load(server.url, server.http_url)
     try:
         with load:
             yield server, f"http://127.0.0.1:{port}", load
