@@ -362,11 +362,19 @@ class G2PModel:
 
     def warm_up(self) -> None:
         """One word decoded on each instance before serving: graphs that load but cannot run are refused
-        here, and onnxruntime's first runs (which allocate) happen before any request waits on them."""
+        here, and onnxruntime's first runs (which allocate) happen before any request waits on them.
+        Then one full batch, timed, for admission."""
         try:
             source = [self.graphemes.encode("warm")]
             for instance in self.runtime.instances:
                 greedy_decode(instance, source, self.max_output_length)
+            # A full batch gives admission its first estimate of capacity, in word-steps per second
+            # (a request's queued tokens are its words x their longest length, about the steps they take).
+            rows = max(1, self.max_batch_size)
+            started = time.perf_counter()
+            hyps = greedy_decode(self.runtime.instances[0], source * rows, self.max_output_length, batch_size=rows)
+            steps = max(len(h.tokens) - 1 for h in hyps)
+            self.admission.seed(rows * steps, time.perf_counter() - started)
         except Exception as e:  # onnxruntime's own exception types
             raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
 

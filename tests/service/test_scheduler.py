@@ -191,3 +191,36 @@ def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
     beam, steps = asyncio.run(run())
     assert beam == expected.output
     assert steps > 20
+
+
+def test_capacity_is_measured_only_from_steps_that_could_take_no_more_words(
+    g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
+) -> None:
+    """Words waiting for company (fewer than min_join_rows) beside a one-word batch say nothing of what
+    a full batch serves; words waiting beside a full batch do."""
+    model, graphemes = g2p_graphs
+
+    async def run(config: BatchingConfig, first: list[str], then: list[str]) -> float:
+        seen = Recorder()
+        scheduler = GenerationScheduler("g2p", config, [model], observer=seen)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        async def convert(words: list[str]) -> None:
+            sources = [graphemes.encode(w) for w in words]
+            item = WorkItem(len(sources), max(map(len, sources)) + 1, WordsRequest(sources, 40), loop.create_future())
+            await scheduler.submit(item)
+
+        running = asyncio.create_task(convert(first))
+        await until(lambda: len(seen.batches) >= 1)
+        await asyncio.gather(running, *[convert([w]) for w in then])
+        await scheduler.close()
+        return scheduler.admission.tokens_per_second
+
+    long_word, short_words = ["counterrevolutionaries"], ["cat", "dog", "up"]
+    # Three words wait (up to 30 ms) for a fourth beside a batch of one: not capacity.
+    waiting = BatchingConfig(min_join_rows=4, max_queue_delay_ms=30)
+    assert asyncio.run(run(waiting, long_word, short_words)) == 0
+    # A batch of two is full while more words wait: capacity, measured.
+    full = BatchingConfig(max_batch_size=2, min_join_rows=1)
+    assert asyncio.run(run(full, ["internationalization", "electroencephalograph"], short_words)) > 0
