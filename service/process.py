@@ -32,6 +32,12 @@ class ServerProcess:
     def output(self) -> str:
         return self.log.read_text()
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        stop_server(self)
+
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 60,
                  cwd: Path | None = None) -> ServerProcess:  # fmt: skip

@@ -88,8 +88,9 @@ class ServedModel:
     reason: str = ""  # why no version is ready, when none is
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one change at a time
 
-    def newest(self) -> Model | None:
-        return self.versions[max(self.versions, key=int)] if self.versions else None
+    def ordered(self) -> list[Model]:
+        """The versions taking requests, oldest first."""
+        return [self.versions[v] for v in sorted(self.versions, key=int)]
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -147,7 +148,7 @@ class ModelRegistry:
         if not served.versions:
             raise Unavailable(f"model '{name}' has no version ready: {served.reason or 'not loaded'}")
         if not version:
-            return served.newest()  # type: ignore[return-value]
+            return served.ordered()[-1]
         model = served.versions.get(version)
         if model is None:
             raise NotFound(
@@ -160,11 +161,11 @@ class ModelRegistry:
 
     def served(self) -> list[Model]:
         """Every version taking requests."""
-        return [m for s in self.models.values() for _, m in sorted(s.versions.items(), key=lambda kv: int(kv[0]))]
+        return [m for s in self.models.values() for m in s.ordered()]
 
     def versions(self, name: str) -> list[Model]:
         self.get(name)
-        return sorted(self.models[name].versions.values(), key=lambda m: int(m.version))
+        return self.models[name].ordered()
 
     def index(self, ready_only: bool = False) -> list[VersionState]:
         """Every model of the repository (and every one still served): each version's state and reason."""
@@ -206,7 +207,10 @@ class ModelRegistry:
 
         `raw`: a config.json to use instead of the file. Raises a ServingError saying why the load failed;
         the versions that were serving keep serving."""
-        directory = model_directories(self.root).get(name) if self.root.is_dir() else None
+        try:
+            directory = model_directories(self.root).get(name)
+        except RepositoryError:  # the repository itself is gone
+            directory = None
         if directory is None:
             raise NotFound(f"no model {quote(name)} in the repository {self.root}")
         served = self.models.setdefault(name, ServedModel(directory))

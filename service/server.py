@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import json
 import logging
 import signal
@@ -206,11 +207,11 @@ class InferenceService:
         return response
 
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._call_async(context, self._load, request)
+        await self._call(context, self._load, request)
         return protocol.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._call_async(context, self._unload, request)
+        await self._call(context, self._unload, request)
         return protocol.RepositoryModelUnloadResponse()
 
     async def _load(self, request: Any) -> None:
@@ -253,15 +254,11 @@ class InferenceService:
                 "beyond loopback"
             )
 
-    async def _call_async(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return await fn(*args)
-        except ServingError as e:
-            await context.abort(grpc.StatusCode[e.code], e.message)
-
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (awaited when it is a coroutine function), a ServingError answered as its status."""
         try:
-            return fn(*args)
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
 

@@ -16,7 +16,7 @@ from export.onnx_export import write_repository
 from export.train import TrainConfig, train
 from service.generation import greedy_decode
 from service.seq2seq import OnnxSeq2Seq
-from tests.conftest import start_server, stop_server
+from tests.conftest import start_server
 
 
 def tiny(out: Path, epochs: int) -> TrainConfig:
@@ -137,14 +137,13 @@ def test_a_new_version_is_exported_beside_the_old_and_both_are_served(tiny_check
     assert second["model_card"]["training"]["steps"] > first["model_card"]["training"]["steps"] or (
         second["model_card"]["sha256"] != first["model_card"]["sha256"]
     )
-    server = start_server(["--model-repository", str(tmp_path)], tmp_path / "server.log")
-    try:
-        with g.InferenceServerClient(server.url) as client:
-            assert client.get_model_metadata("g2p").versions == ["1", "2"]
-            text = g.InferInput("TEXT", [1], "BYTES")
-            text.set_data_from_numpy(np.array([b"cat"], dtype=object))
-            answered = {v: client.infer("g2p", [text], model_version=v).get_response().model_version for v in "12"}
-            assert answered == {"1": "1", "2": "2"}
-            assert client.infer("g2p", [text]).get_response().model_version == "2"  # the newest by default
-    finally:
-        stop_server(server)
+    with (
+        start_server(["--model-repository", str(tmp_path)], tmp_path / "server.log") as server,
+        g.InferenceServerClient(server.url) as client,
+    ):
+        assert client.get_model_metadata("g2p").versions == ["1", "2"]
+        text = g.InferInput("TEXT", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"cat"], dtype=object))
+        answered = {v: client.infer("g2p", [text], model_version=v).get_response().model_version for v in "12"}
+        assert answered == {"1": "1", "2": "2"}
+        assert client.infer("g2p", [text]).get_response().model_version == "2"  # the newest by default

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from service.repository import RepositoryError, VersionPolicy
-from tests.conftest import MODELS, RunningServer, start_server, stop_server
+from tests.conftest import MODELS, RunningServer, start_server
 from tests.figures import FIGURES
 
 ADMIN, USER = "admin-s3cret", "user-token"
@@ -109,11 +109,9 @@ def explicit(tmp_path: Path) -> Iterator[Explicit]:
     """An explicit-mode server on a repository of its own, no model loaded."""
     repo = tmp_path / "repo"
     scale_version(repo / "scale", 1, 1.0)
-    server = start_server(["--model-repository", str(repo), "--model-control-mode", "explicit"], tmp_path / "log")
-    client = g.InferenceServerClient(server.url)
-    yield server, client, repo
-    client.close()
-    stop_server(server)
+    args = ["--model-repository", str(repo), "--model-control-mode", "explicit"]
+    with start_server(args, tmp_path / "log") as server, g.InferenceServerClient(server.url) as client:
+        yield server, client, repo
 
 
 def test_version_policy_chooses_versions() -> None:
@@ -255,48 +253,35 @@ def test_load_and_unload_requests_are_checked(explicit: Explicit) -> None:
 def test_model_control_is_guarded(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     scale_version(repo / "scale", 1, 1.0)
-    fixed = start_server(["--model-repository", str(repo)], tmp_path / "none.log")
-    try:
-        with g.InferenceServerClient(fixed.url) as client:
-            code, message = status_of(lambda: client.unload_model("scale"))
-            assert code == "StatusCode.FAILED_PRECONDITION" and "--model-control-mode explicit" in message
+    explicit = ["--model-repository", str(repo), "--model-control-mode", "explicit"]
+    for args, status, says in (
+        (["--model-repository", str(repo)], "FAILED_PRECONDITION", "--model-control-mode explicit"),
+        ([*explicit, "--load-model", "scale", "--host", "0.0.0.0"], "PERMISSION_DENIED", "--admin-token-file"),
+    ):
+        with start_server(args, tmp_path / f"{status}.log") as server, g.InferenceServerClient(server.url) as client:
+            code, message = status_of(lambda c=client: c.unload_model("scale"))
+            assert code == f"StatusCode.{status}" and says in message
             assert infer_scale(client) == (1.0, "1")
-    finally:
-        stop_server(fixed)
-
-    wide = start_server(["--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "scale",
-                         "--host", "0.0.0.0"], tmp_path / "wide.log")  # fmt: skip
-    try:
-        with g.InferenceServerClient(wide.url) as client:
-            code, message = status_of(lambda: client.unload_model("scale"))
-            assert code == "StatusCode.PERMISSION_DENIED" and "--admin-token-file" in message
-            assert infer_scale(client) == (1.0, "1")
-    finally:
-        stop_server(wide)
 
     (tmp_path / "admin").write_text(ADMIN + "\n")
     (tmp_path / "users").write_text(USER + "\n")
-    guarded = start_server(["--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "*",
-                            "--host", "0.0.0.0", "--admin-token-file", str(tmp_path / "admin"),
-                            "--auth-token-file", str(tmp_path / "users")], tmp_path / "guarded.log")  # fmt: skip
-    try:
-        with g.InferenceServerClient(guarded.url) as client:
-            user, admin = {"authorization": f"Bearer {USER}"}, {"authorization": f"Bearer {ADMIN}"}
-            for headers in (None, user):
-                code, message = status_of(lambda h=headers: client.unload_model("scale", headers=h))
-                assert code == "StatusCode.UNAUTHENTICATED" and "admin bearer token" in message
-                assert status_of(lambda h=headers: client.get_model_repository_index(headers=h))[0] == (
-                    "StatusCode.UNAUTHENTICATED"
-                )
-            x = g.InferInput("x", [1, 3], "FP32")
-            x.set_data_from_numpy(np.ones((1, 3), np.float32))
-            assert status_of(lambda: client.infer("scale", [x], headers=admin))[0] == "StatusCode.UNAUTHENTICATED"
-            client.unload_model("scale", headers=admin)
-            assert not client.is_model_ready("scale")
-            client.load_model("scale", headers=admin)
-            assert client.infer("scale", [x], headers=user).as_numpy("y").tolist() == [[1.0, 1.0, 1.0]]
-    finally:
-        stop_server(guarded)
+    tokens = ["--admin-token-file", str(tmp_path / "admin"), "--auth-token-file", str(tmp_path / "users")]
+    args = [*explicit, "--load-model", "*", "--host", "0.0.0.0", *tokens]
+    with start_server(args, tmp_path / "guarded.log") as guarded, g.InferenceServerClient(guarded.url) as client:
+        user, admin = {"authorization": f"Bearer {USER}"}, {"authorization": f"Bearer {ADMIN}"}
+        for headers in (None, user):
+            code, message = status_of(lambda h=headers: client.unload_model("scale", headers=h))
+            assert code == "StatusCode.UNAUTHENTICATED" and "admin bearer token" in message
+            assert status_of(lambda h=headers: client.get_model_repository_index(headers=h))[0] == (
+                "StatusCode.UNAUTHENTICATED"
+            )
+        x = g.InferInput("x", [1, 3], "FP32")
+        x.set_data_from_numpy(np.ones((1, 3), np.float32))
+        assert status_of(lambda: client.infer("scale", [x], headers=admin))[0] == "StatusCode.UNAUTHENTICATED"
+        client.unload_model("scale", headers=admin)
+        assert not client.is_model_ready("scale")
+        client.load_model("scale", headers=admin)
+        assert client.infer("scale", [x], headers=user).as_numpy("y").tolist() == [[1.0, 1.0, 1.0]]
 
 
 class SteadyLoad:
@@ -351,9 +336,8 @@ class SteadyLoad:
 def test_reload_under_load_loses_no_request(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     encoder_version(repo / "enc", 1)
-    server = start_server(["--model-repository", str(repo), "--model-control-mode", "explicit",
-                           "--load-model", "enc"], tmp_path / "log")  # fmt: skip
-    try:
+    args = ["--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "enc"]
+    with start_server(args, tmp_path / "log") as server:
         with g.InferenceServerClient(server.url) as client, SteadyLoad(server.url, "enc") as load:
             time.sleep(3)
             encoder_version(repo / "enc", 2)
@@ -374,8 +358,6 @@ def test_reload_under_load_loses_no_request(tmp_path: Path) -> None:
             "p99 before / during the reload": f"{before:.1f} ms / {during:.1f} ms",
         }
         assert during < max(10 * before, 1000), (before, during)
-    finally:
-        stop_server(server)
 
 
 def test_memory_returns_after_unload(explicit: Explicit) -> None:
@@ -403,35 +385,31 @@ def test_memory_returns_after_unload(explicit: Explicit) -> None:
 def test_poll_mode_follows_the_repository(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     scale_version(repo / "scale", 1, 1.0)
-    server = start_server(["--model-repository", str(repo), "--model-control-mode", "poll",
-                           "--repository-poll-secs", "0.2"], tmp_path / "log")  # fmt: skip
-    try:
-        with g.InferenceServerClient(server.url) as client:
-            assert infer_scale(client) == (1.0, "1")
-            staged = tmp_path / "staged"
-            scale_version(staged, 2, 2.0)
-            (staged / "2").rename(repo / "scale" / "2")  # a version appears on disk whole
-            wait_for(lambda: client.get_model_metadata("scale").versions == ["2"], "version 2 to replace 1")
-            assert infer_scale(client) == (2.0, "2")
+    args = ["--model-repository", str(repo), "--model-control-mode", "poll", "--repository-poll-secs", "0.2"]
+    with start_server(args, tmp_path / "log") as server, g.InferenceServerClient(server.url) as client:
+        assert infer_scale(client) == (1.0, "1")
+        staged = tmp_path / "staged"
+        scale_version(staged, 2, 2.0)
+        (staged / "2").rename(repo / "scale" / "2")  # a version appears on disk whole
+        wait_for(lambda: client.get_model_metadata("scale").versions == ["2"], "version 2 to replace 1")
+        assert infer_scale(client) == (2.0, "2")
 
-            shutil.rmtree(repo / "scale" / "2")
-            wait_for(lambda: client.get_model_metadata("scale").versions == ["1"], "version 1 back")
+        shutil.rmtree(repo / "scale" / "2")
+        wait_for(lambda: client.get_model_metadata("scale").versions == ["1"], "version 1 back")
 
-            failing_version(staged, 3)
-            (staged / "3").rename(repo / "scale" / "3")  # a bad version: refused, version 1 serves on
-            wait_for(lambda: ("scale", "3") in index(client), "the failed version in the index")
-            assert index(client)[("scale", "3")][0] == "UNAVAILABLE" and infer_scale(client) == (1.0, "1")
-            shutil.rmtree(repo / "scale" / "3")
+        failing_version(staged, 3)
+        (staged / "3").rename(repo / "scale" / "3")  # a bad version: refused, version 1 serves on
+        wait_for(lambda: ("scale", "3") in index(client), "the failed version in the index")
+        assert index(client)[("scale", "3")][0] == "UNAVAILABLE" and infer_scale(client) == (1.0, "1")
+        shutil.rmtree(repo / "scale" / "3")
 
-            scale_version(staged / "more", 1, 5.0)
-            (staged / "more").rename(repo / "more")  # a model appears
-            wait_for(lambda: client.is_model_ready("more"), "model 'more' to load")
-            assert infer_scale(client, "more") == (5.0, "1")
-            shutil.rmtree(repo / "more")  # and goes
-            wait_for(lambda: ("more", "") not in index(client) and not client.is_model_ready("more"), "'more' gone")
-            assert status_of(lambda: infer_scale(client, "more"))[0] == "StatusCode.NOT_FOUND"
-    finally:
-        stop_server(server)
+        scale_version(staged / "more", 1, 5.0)
+        (staged / "more").rename(repo / "more")  # a model appears
+        wait_for(lambda: client.is_model_ready("more"), "model 'more' to load")
+        assert infer_scale(client, "more") == (5.0, "1")
+        shutil.rmtree(repo / "more")  # and goes
+        wait_for(lambda: ("more", "") not in index(client) and not client.is_model_ready("more"), "'more' gone")
+        assert status_of(lambda: infer_scale(client, "more"))[0] == "StatusCode.NOT_FOUND"
 
 
 def test_load_and_unload_over_http(explicit: Explicit) -> None:
