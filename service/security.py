@@ -76,8 +76,8 @@ class BearerTokens:
 class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Bearer tokens on the inference service; health and reflection stay open for probes."""
 
-    def __init__(self, tokens: list[str], admin: list[str] | None = None) -> None:
-        self.tokens = BearerTokens(tokens, admin)
+    def __init__(self, tokens: BearerTokens) -> None:
+        self.tokens = tokens
 
     def _allowed(self, method: str, metadata: Any) -> bool:
         offered = next((v for k, v in metadata or () if k == "authorization" and isinstance(v, str)), None)

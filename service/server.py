@@ -427,8 +427,7 @@ class Server:
         self.settings = settings
         # TLS files and tokens first: a bad one stops the start before any model loads.
         self._credentials = server_credentials(settings)
-        self._tokens = bearer_tokens(settings.auth_token_file)
-        self._admin_tokens = bearer_tokens(settings.admin_token_file)
+        self._tokens = BearerTokens(bearer_tokens(settings.auth_token_file), bearer_tokens(settings.admin_token_file))
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
         self.tracing = _tracing(settings)
@@ -471,8 +470,7 @@ class Server:
         """Ports bound, models loaded (a model that fails to load stops the start), then serving."""
         s = self.settings
         credentials = self._credentials
-        tokens, admin = self._tokens, self._admin_tokens
-        interceptors = [TokenAuth(tokens, admin)] if tokens or admin else []
+        interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         service = InferenceService(self)  # one data plane: the HTTP/REST front end calls the same service
         server.add_generic_rpc_handlers((protocol.generic_handler(service),))
@@ -496,8 +494,7 @@ class Server:
         if s.http_port >= 0:
             from service.rest import RestServer  # aiohttp, only when HTTP is on
 
-            bearer = BearerTokens(self._tokens, self._admin_tokens)
-            self._http = RestServer(service, self.metrics, s, bearer, ssl_context(s))
+            self._http = RestServer(service, self.metrics, s, self._tokens, ssl_context(s))
             self.http_port = self._http.bind(s.host, s.http_port)
         await self.registry.start()  # the ports are bound (one in use stops the start), not yet serving
         await server.start()
