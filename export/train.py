@@ -1,4 +1,4 @@
-"""`qkv train`: the paper's recipe scaled down to two CPU cores.
+"""`qkv train`: the paper's recipe, on two CPU cores by default or on a GPU.
 
 Adam (beta2 0.98, eps 1e-9), linear warm-up then inverse-square-root decay (Section 5.3, with
 the decay start as a knob so a short run does not decay too early) and an optional linear
@@ -7,16 +7,26 @@ every few minutes and `best.pt` on dev WER; `--resume` carries on from `last.pt`
 stopped: the model, the optimiser, the schedule, the batch within the epoch's fixed order, and the
 random states (dropout), so an interrupted run ends with the weights an uninterrupted one would.
 The run directory (`--out`) also holds `config.json` (the recipe) and `history.jsonl` (one line of
-dev figures per epoch). `--device cuda` trains on a GPU (bf16 autocast there too); the CPU is the
-default.
+dev figures per evaluated epoch). `--device cuda` trains on a GPU (bf16 autocast there too).
+
+More levers, each optional:
+- `--keep-epochs K` keeps the last K epochs' weights and writes their mean as `averaged.pt`.
+- `--init CKPT` starts from another run's weights with a fresh optimiser and schedule (a warm
+  restart); the checkpoints list the runs they continue, and so does the exported model card.
+- `--teachers A.pt,B.pt,...` distils an ensemble into the model being trained (token-level, as
+  Kim & Rush 2016, and Sun et al. 2019 for G2P): the loss mixes the gold targets with the
+  teachers' mean distribution at every target position.
+- `--hours H --cooldown-minutes M` makes the cool-down the last M minutes of an H-hour budget,
+  for a run that must end on time; its schedule then follows the clock, so such a run resumes
+  close to, not exactly, where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
+import platform
 import random
 import sys
 import time
@@ -24,6 +34,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -62,24 +73,63 @@ class TrainConfig:
     checkpoint_minutes: float = 5.0
     steps: int = 0  # stop after this many steps in all, with a checkpoint (0: no limit); resume carries on
     device: str = "cpu"  # or cuda
+    eval_every: int = 1  # decode the dev subset every N epochs (and after the last)
+    keep_epochs: int = 0  # keep the last K epochs' weights (epoch-N.pt) and write their mean (averaged.pt)
+    cooldown_minutes: float = 0.0  # with --hours: a linear cool-down over the budget's last M minutes
+    teachers: str = ""  # comma-separated checkpoints whose mean distribution is distilled (same vocabularies)
+    distill_weight: float = 0.5  # share of the loss from the teachers; the rest from the gold targets
+    init: str = ""  # start from this checkpoint's weights (same architecture), with a fresh optimiser and schedule
 
 
-def learning_rate(step: int, c: TrainConfig) -> float:
+def learning_rate(step: int, c: TrainConfig, seconds_left: float = math.inf) -> float:
     warm = min(1.0, step / max(1, c.warmup))
     decay = math.sqrt(c.decay_start / max(step, c.decay_start))
     cool = 1.0
     if c.cooldown_steps and step > c.cooldown_from:
         cool = max(0.02, 1 - (step - c.cooldown_from) / c.cooldown_steps)
+    if c.hours and c.cooldown_minutes:
+        cool = min(cool, max(0.02, seconds_left / (c.cooldown_minutes * 60)))
     return c.lr * warm * decay * cool
+
+
+def hardware(device: torch.device, threads: int) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{threads} CPU threads ({platform.processor() or platform.machine()})"
+
+
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """One run of a checkpoint's history, as its model card lists it."""
+    return {"run": state["train"]["out"], "hours": round(state["elapsed_s"] / 3600, 4), "epochs": state["epoch"],
+            "steps": state["step"], "hardware": state.get("hardware"), "recipe": state["train"]}  # fmt: skip
+
+
+class Teachers:
+    """The mean next-token distribution of several trained models, for distillation (no gradients)."""
+
+    def __init__(self, paths: list[Path], device: torch.device, phonemes: Any) -> None:
+        from export.checkpoint import load_checkpoint
+
+        self.models = []
+        for path in paths:
+            loaded = load_checkpoint(path)
+            if loaded.phonemes.symbols != phonemes.symbols:
+                raise ValueError(f"teacher {path}: its phoneme vocabulary differs from this run's")
+            self.models.append(loaded.model.to(device).eval())
+
+    @torch.no_grad()
+    def distribution(self, src: torch.Tensor, tgt_in: torch.Tensor, bf16: bool) -> torch.Tensor:
+        with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=bf16):
+            return torch.stack([m(src, tgt_in).float().softmax(-1) for m in self.models]).mean(0)
 
 
 def dev_wer(
     model: nn.Module, lexicon: data.Lexicon, words: list[str], graphemes: Any, phonemes: Any
 ) -> dict[str, float]:
-    model.eval()
-    on_cpu = model if next(model.parameters()).device.type == "cpu" else copy.deepcopy(model).cpu()
-    hyps = greedy_decode(TorchStepModel(on_cpu), [graphemes.encode(w) for w in words], max_len=40, batch_size=500)  # type: ignore[arg-type]
-    model.train()
+    device = next(model.parameters()).device
+    model.eval().cpu()  # decoded on the CPU; moved in place, so the optimiser keeps its parameters
+    hyps = greedy_decode(TorchStepModel(model), [graphemes.encode(w) for w in words], max_len=40, batch_size=500)  # type: ignore[arg-type]
+    model.to(device).train()
     return score([phonemes.decode(h.output) for h in hyps], [lexicon[w] for w in words])
 
 
@@ -111,9 +161,16 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
         d_ff=c.d_ff,
         dropout=c.dropout,
     )
-    model = make_model(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=c.lr, betas=(0.9, 0.98), eps=1e-9)
+    model = make_model(config)
+    lineage: list[dict[str, Any]] = []  # the runs these weights come from, oldest first (with --init)
+    if c.init:
+        start = torch.load(c.init, map_location="cpu", weights_only=False)
+        model.load_state_dict(start["model"])
+        lineage = [*start.get("lineage", []), stage(start)]
+    model = model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=c.lr, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
     loss_fn = nn.CrossEntropyLoss(ignore_index=config.pad_id, label_smoothing=c.label_smoothing)
+    teachers = Teachers([Path(p) for p in c.teachers.split(",")], device, phonemes) if c.teachers else None
     step, epoch, elapsed, best = 0, 0, 0.0, 1.0
     done_in_epoch, tokens, loss_sum = 0, 0.0, 0.0  # batches of the current epoch already trained on
     history: list[dict[str, float]] = []
@@ -137,13 +194,14 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f} M parameters, {len(examples)} training pairs, {config}", flush=True)
 
-    def save(path: Path, elapsed_s: float) -> None:
+    def save(path: Path, elapsed_s: float, resumable: bool = True) -> None:
+        """`resumable=False`: the weights and what describes them, without the optimiser (a third the size)."""
         torch.save(
             {
                 "config": config.to_dict(),
                 "train": asdict(c),
                 "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
+                "optimizer": optimizer.state_dict() if resumable else None,
                 "step": step,
                 "epoch": epoch,
                 "elapsed_s": elapsed_s,
@@ -156,6 +214,8 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
                     "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
                 },
                 "parameters": n_params,
+                "hardware": hardware(device, c.threads),
+                "lineage": lineage,
                 "graphemes": graphemes.symbols,
                 "phonemes": phonemes.symbols,
             },
@@ -165,64 +225,114 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
 
     model.train()
     last_save = time.monotonic()
-    while epoch < c.epochs and not (c.hours and elapsed >= c.hours * 3600):
+    pending: list[torch.Tensor] = []  # this epoch's losses (x tokens) not yet added to loss_sum
+
+    def settle() -> None:
+        """Add the pending losses to loss_sum: one wait for a GPU every few steps, not every step."""
+        nonlocal loss_sum
+        if pending:
+            loss_sum += float(torch.stack(pending).sum())
+            pending.clear()
+
+    budget = c.hours * 3600 if c.hours else math.inf
+    out_of_time = elapsed >= budget
+    while epoch < c.epochs and not out_of_time:
         # Each epoch's order is fixed by the seed and the epoch: a resumed run skips what it has done.
         batches = list(data.token_batches(examples, c.max_tokens, random.Random(c.seed * 1000 + epoch)))
         t0 = time.monotonic()
         for i in range(done_in_epoch, len(batches)):
             src, tgt = batches[i]
             src_t, tgt_t = torch.from_numpy(src).to(device), torch.from_numpy(tgt).to(device)
+            lr = learning_rate(step + 1, c, budget - elapsed - (time.monotonic() - t0))
             for g in optimizer.param_groups:
-                g["lr"] = learning_rate(step + 1, c)
+                g["lr"] = lr
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=c.bf16):
                 logits = model(src_t, tgt_t[:, :-1])  # teacher forcing: predict token t+1 from tokens <= t
             loss = loss_fn(logits.float().reshape(-1, logits.size(-1)), tgt_t[:, 1:].reshape(-1))
+            if teachers:
+                # Cross-entropy against the teachers' mean distribution, over the real target positions.
+                soft = teachers.distribution(src_t, tgt_t[:, :-1], c.bf16)
+                real = tgt_t[:, 1:] != config.pad_id
+                distilled = -(soft * logits.float().log_softmax(-1)).sum(-1)[real].mean()
+                loss = (1 - c.distill_weight) * loss + c.distill_weight * distilled
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
             done_in_epoch = i + 1
-            n_tok = int((tgt_t[:, 1:] != 0).sum() + (src_t != 0).sum())
+            n_tok = np.count_nonzero(tgt[:, 1:]) + np.count_nonzero(src)
             tokens += n_tok
-            loss_sum += float(loss.detach()) * n_tok
+            pending.append(loss.detach() * n_tok)
             if i % 20 == 0 or i == len(batches) - 1:
+                settle()
                 spent = time.monotonic() - t0
                 rate = tokens / max(spent, 1e-9)
                 eta = spent / (i + 1) * (len(batches) - i - 1)
                 sys.stdout.write(
                     f"\repoch {epoch + 1} {i + 1}/{len(batches)} loss {loss_sum / tokens:.3f} "
-                    f"lr {learning_rate(step, c):.2e} {rate:,.0f} tok/s ETA {eta / 60:.1f} min   "
+                    f"lr {lr:.2e} {rate:,.0f} tok/s ETA {eta / 60:.1f} min   "
                 )
                 sys.stdout.flush()
             if time.monotonic() - last_save > c.checkpoint_minutes * 60:
+                settle()
                 save(last, elapsed + time.monotonic() - t0)
                 last_save = time.monotonic()
             if c.steps and step >= c.steps and done_in_epoch < len(batches):
+                settle()
                 save(last, elapsed + time.monotonic() - t0)
                 print(f"\nstopped at step {step} (--steps); --resume carries on", flush=True)
                 return out / "best.pt"
+            if elapsed + time.monotonic() - t0 >= budget:
+                settle()
+                out_of_time = True  # the budget ends the run mid-epoch; that partial epoch counts as the last
+                break
         elapsed += time.monotonic() - t0
         epoch += 1
         epoch_loss = loss_sum / max(tokens, 1)
         done_in_epoch, tokens, loss_sum = 0, 0.0, 0.0
-        result = dev_wer(model, lexicon, dev_words, graphemes, phonemes)
-        result.update(epoch=epoch, step=step, hours=elapsed / 3600, loss=epoch_loss)
-        history.append(result)
-        with (out / "history.jsonl").open("a") as f:
-            f.write(json.dumps(result) + "\n")
-        print(
-            f"\nepoch {epoch}: dev WER {result['wer']:.3f} ({result['wer_stress_free']:.3f} stress-free) "
-            f"PER {result['per']:.3f} ({result['per_stress_free']:.3f}), {elapsed / 3600:.2f} h",
-            flush=True,
-        )
-        if result["wer"] < best or not (out / "best.pt").exists():
-            best = min(best, result["wer"])
-            save(out / "best.pt", elapsed)
+        finished = epoch >= c.epochs or out_of_time or bool(c.steps and step >= c.steps)
+        if c.keep_epochs:
+            save(out / f"epoch-{epoch:03d}.pt", elapsed, resumable=False)
+            for old in sorted(out.glob("epoch-*.pt"))[: -c.keep_epochs]:
+                old.unlink()
+        if epoch % c.eval_every == 0 or finished:
+            result = dev_wer(model, lexicon, dev_words, graphemes, phonemes)
+            result.update(epoch=epoch, step=step, hours=elapsed / 3600, loss=epoch_loss)
+            history.append(result)
+            with (out / "history.jsonl").open("a") as f:
+                f.write(json.dumps(result) + "\n")
+            print(
+                f"\nepoch {epoch}: dev WER {result['wer']:.3f} ({result['wer_stress_free']:.3f} stress-free) "
+                f"PER {result['per']:.3f} ({result['per_stress_free']:.3f}), {elapsed / 3600:.2f} h",
+                flush=True,
+            )
+            if result["wer"] < best or not (out / "best.pt").exists():
+                best = min(best, result["wer"])
+                save(out / "best.pt", elapsed)
         save(last, elapsed)
         last_save = time.monotonic()
-        if c.steps and step >= c.steps:
+        if finished:
             break
+    kept = sorted(out.glob("epoch-*.pt"))[-c.keep_epochs :] if c.keep_epochs else []
+    if len(kept) > 1:
+        write_average(kept, out / "averaged.pt", lexicon, dev_words)
     return out / "best.pt"
+
+
+def write_average(paths: list[Path], path: Path, lexicon: data.Lexicon, dev_words: list[str]) -> None:
+    """The mean of the kept epochs' weights as a checkpoint of its own, with its dev figures."""
+    from export.checkpoint import average_checkpoints
+
+    averaged = average_checkpoints(paths)
+    result: dict[str, Any] = {**dev_wer(averaged.model, lexicon, dev_words, averaged.graphemes, averaged.phonemes)}
+    result.update(averaged=[p.name for p in paths], step=averaged.state["step"])
+    state = {**averaged.state, "model": averaged.model.state_dict(), "dev": result}
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    with (path.parent / "history.jsonl").open("a") as f:
+        f.write(json.dumps(result) + "\n")
+    print(f"{path}: mean of {len(paths)} epochs, dev WER {result['wer']:.3f} "
+          f"({result['wer_stress_free']:.3f} stress-free) PER {result['per']:.3f}", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
