@@ -81,10 +81,12 @@ def evaluate_checkpoint(path: Path, **kwargs: Any) -> dict[str, Any]:
 
 
 def record_in_card(repository: Path, result: dict[str, Any]) -> None:
-    """Write the test figures into models/g2p/config.json's model card."""
+    """Write the test figures into models/g2p/config.json's model card (that of the newest version):
+    greedy decoding's as "test", beam search's as "test_beam"."""
     path = Path(repository) / "g2p" / "config.json"
     config = json.loads(path.read_text())
-    config["model_card"]["test"] = {k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}
+    key = "test" if result.get("beam_size", 1) == 1 else "test_beam"
+    config["model_card"][key] = {k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 

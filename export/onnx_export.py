@@ -182,10 +182,12 @@ def write_repository(
     metrics: dict[str, Any] | None = None,
     version: str = "1",
     beside: bool = False,
+    encoder_model: bool = True,
 ) -> dict[str, Any]:
     """Export, check parity, then write models/g2p and models/g2p_encoder: replacing them, or with `beside`,
     as `version` next to the versions already there, all served (version_policy "all"). The model card
-    describes the newest version; the cards of the others move under its "versions"."""
+    describes the newest version; the cards of the others move under its "versions". Without
+    `encoder_model`, models/g2p_encoder is left as it is."""
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
         paths = export_graphs(loaded.model, staging)
@@ -195,13 +197,15 @@ def write_repository(
         if parity["max_abs_diff"] > LOGIT_TOLERANCE or parity["greedy_identical"] != parity["greedy_words"]:
             raise RuntimeError(f"ONNX graphs disagree with PyTorch: {parity}")
         g2p, enc = repository / "g2p", repository / "g2p_encoder"
-        earlier = {d: _earlier_cards(d, version) if beside else {} for d in (g2p, enc)}
-        for d in (g2p, enc):
+        written = (g2p, enc) if encoder_model else (g2p,)
+        earlier = {d: _earlier_cards(d, version) if beside else {} for d in written}
+        for d in written:
             shutil.rmtree(d / version if beside else d, ignore_errors=True)
             (d / version).mkdir(parents=True)
         for name in (ENCODER_FILE, DECODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE):
             shutil.copy(staging / name, g2p / version / name)
-        shutil.copy(paths["plain"], enc / version / "model.onnx")
+        if encoder_model:
+            shutil.copy(paths["plain"], enc / version / "model.onnx")
     state = loaded.state
     card = {
         "architecture": "Transformer encoder-decoder (Vaswani et al., 2017), pre-norm, tied target embeddings",
@@ -213,8 +217,10 @@ def write_repository(
             "hours": round(state["elapsed_s"] / 3600, 3),
             "epochs": state["epoch"],
             "steps": state["step"],
+            "hardware": state.get("hardware"),
             "best_dev_wer": state["best_dev_wer"],
             "recipe": state["train"],
+            **_earlier_runs(state),
         },
         "test": metrics or {},
         "onnx_opset": OPSET,
@@ -236,30 +242,41 @@ def write_repository(
             "sha256": file_hashes(g2p / version),
         },
     }
-    enc_config: dict[str, Any] = {
-        "name": "g2p_encoder",
-        "kind": "tensor",
-        "max_batch_size": 64,
-        "sequence_axis": 1,
-        "limits": {
-            "max_sequence_length": loaded.model.config.max_len,
-            "vocab_size": {"input_ids": len(loaded.graphemes)},
-        },
-        "model_card": {
-            "description": "the g2p model's encoder as a plain tensor model: grapheme ids -> states",
-            "vocabulary": "graphemes.json of models/g2p",
-            "config": state["config"],
-            "onnx_opset": OPSET,
-            "sha256": file_hashes(enc / version),
-        },
-    }
-    for d, config in ((g2p, g2p_config), (enc, enc_config)):
+    configs = {g2p: g2p_config}
+    if encoder_model:
+        configs[enc] = {
+            "name": "g2p_encoder",
+            "kind": "tensor",
+            "max_batch_size": 64,
+            "sequence_axis": 1,
+            "limits": {
+                "max_sequence_length": loaded.model.config.max_len,
+                "vocab_size": {"input_ids": len(loaded.graphemes)},
+            },
+            "model_card": {
+                "description": "the g2p model's encoder as a plain tensor model: grapheme ids -> states",
+                "vocabulary": "graphemes.json of models/g2p",
+                "config": state["config"],
+                "onnx_opset": OPSET,
+                "sha256": file_hashes(enc / version),
+            },
+        }
+    for d, config in configs.items():
         if beside:
             config["version_policy"] = {"all": {}}
             if earlier[d]:
                 config["model_card"]["versions"] = earlier[d]
         (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return g2p_config
+
+
+def _earlier_runs(state: dict[str, Any]) -> dict[str, Any]:
+    """For weights that continued other runs (`qkv train --init`): those runs, and the hours of all of them."""
+    lineage = state.get("lineage") or []
+    if not lineage:
+        return {}
+    total = state["elapsed_s"] / 3600 + sum(run["hours"] for run in lineage)
+    return {"continues": lineage, "total_hours": round(total, 3)}
 
 
 def _earlier_cards(model_dir: Path, version: str) -> dict[str, Any]:
@@ -292,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity-words", type=int, default=1000, help="test words decoded by both runtimes")
     parser.add_argument("--no-evaluate", action="store_true", help="skip the test-split WER/PER of the export")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--beam-size", type=int, default=4, help="the card's test figures: greedy, and with this beam")
+    parser.add_argument(
+        "--no-encoder-model",
+        action="store_true",
+        help="write models/g2p only; models/g2p_encoder (the encoder as a tensor model) stays as it is",
+    )
     parser.add_argument(
         "--version",
         help="write this version beside the versions already in the repository, all of them served "
@@ -307,16 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.version is not None and not args.version.isdigit():
         parser.error(f"--version {args.version}: a version is a number")
     config = write_repository(loaded, args.model_repository, words, version=args.version or "1",
-                              beside=args.version is not None)  # fmt: skip
+                              beside=args.version is not None, encoder_model=not args.no_encoder_model)  # fmt: skip
     print(f"parity: {config['model_card']['parity']}")
     if not args.no_evaluate:
         from export.evaluate import evaluate_repository, record_in_card
 
-        result = evaluate_repository(args.model_repository / "g2p")
-        record_in_card(args.model_repository, result)
-        print(json.dumps(result, indent=2))
+        for beam_size in (1, args.beam_size):
+            result = evaluate_repository(args.model_repository / "g2p", beam_size=beam_size)
+            record_in_card(args.model_repository, result)
+            print(json.dumps(result, indent=2))
     int8 = quantize_repository(args.model_repository, evaluate=not args.no_evaluate)
     if int8:
         print(f"int8 graphs: test WER {int8['wer']:.2%} PER {int8['per']:.2%}")
-    print(f"wrote {args.model_repository / 'g2p'} and {args.model_repository / 'g2p_encoder'}", file=sys.stderr)
+    written = "g2p" if args.no_encoder_model else "g2p and g2p_encoder"
+    print(f"wrote {written} in {args.model_repository}", file=sys.stderr)
     return 0
