@@ -57,9 +57,11 @@ def _pause(error: grpc.RpcError, attempt: int) -> float | None:
     return None
 
 
-def g2p_request(texts: Sequence[str], model: str = "g2p", attention: bool = False, beam_size: int = 1) -> Any:
-    """A ModelInferRequest for the g2p model, TEXT as raw BYTES."""
-    req = protocol.ModelInferRequest(model_name=model)
+def g2p_request(
+    texts: Sequence[str], model: str = "g2p", attention: bool = False, beam_size: int = 1, version: str = ""
+) -> Any:
+    """A ModelInferRequest for the g2p model, TEXT as raw BYTES; `version` "" is the newest served."""
+    req = protocol.ModelInferRequest(model_name=model, model_version=version)
     req.inputs.add(name="TEXT", datatype="BYTES", shape=[len(texts)])
     req.raw_input_contents.append(encode_bytes(np.array([t.encode() for t in texts], dtype=object)))
     req.outputs.add(name="PHONEMES")
@@ -168,9 +170,15 @@ class Client:
         return self.call("ModelInfer", request, timeout, trace_metadata(traceparent))
 
     def g2p(
-        self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None, traceparent: str | None = None
+        self,
+        texts: Sequence[str],
+        model: str = "g2p",
+        timeout: float | None = None,
+        traceparent: str | None = None,
+        version: str = "",
     ) -> list[str]:
-        return g2p_outputs(self.infer(g2p_request(texts, model), timeout, traceparent))["PHONEMES"]  # type: ignore[no-any-return]
+        request = g2p_request(texts, model, version=version)
+        return g2p_outputs(self.infer(request, timeout, traceparent))["PHONEMES"]  # type: ignore[no-any-return]
 
     def ready(self) -> bool:
         return bool(self.call("ServerReady", protocol.ServerReadyRequest()).ready)
@@ -224,9 +232,14 @@ class AsyncClient:
         return await self.call("ModelInfer", request, timeout, trace_metadata(traceparent))
 
     async def g2p(
-        self, texts: Sequence[str], model: str = "g2p", timeout: float | None = None, traceparent: str | None = None
+        self,
+        texts: Sequence[str],
+        model: str = "g2p",
+        timeout: float | None = None,
+        traceparent: str | None = None,
+        version: str = "",
     ) -> list[str]:
-        response = await self.infer(g2p_request(texts, model), timeout, traceparent)
+        response = await self.infer(g2p_request(texts, model, version=version), timeout, traceparent)
         return g2p_outputs(response)["PHONEMES"]  # type: ignore[no-any-return]
 
     async def close(self) -> None:

@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
     parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
     parser.add_argument("--protocols", action="store_true", help="HTTP/REST against gRPC: c1 latency, throughput")
+    parser.add_argument("--versions", action="store_true", help="g2p's versions side by side: words/s, p50/p99")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -88,6 +89,15 @@ def main(argv: list[str]) -> int:
 
         print(protocols_table(protocols(args.model_repository, args.out, args.seconds)))
         print(f"wrote {args.out / 'protocols.json'}")
+        return 0
+    if args.versions:
+        from service.bench.versions import model_cards, versions, versions_table
+
+        measured = versions(args.model_repository, args.out, args.seconds)
+        table = versions_table(measured, model_cards(args.model_repository))
+        (args.out / "versions.md").write_text(table + "\n")
+        print(table)
+        print(f"wrote {args.out / 'versions.json'}, {args.out / 'versions.md'}")
         return 0
     if args.suite:
         results = suite(args.model_repository, args.out, args.seconds, tuple(args.only.split(",")))

@@ -58,18 +58,20 @@ def encoder_maker(lengths: Callable[[random.Random], int], vocab: int, seed: int
     return make
 
 
-def words_maker(words: list[str], per_request: int) -> loadgen.MakeRequest:
+def words_maker(words: list[str], per_request: int, version: str = "") -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         chunk = [words[(i * per_request + k) % len(words)] for k in range(per_request)]
-        return g2p_request(chunk), max(map(len, chunk)), ""
+        return g2p_request(chunk, version=version), max(map(len, chunk)), ""
 
     return make
 
 
-def word_maker(words: list[str], tag: Callable[[str], str] = lambda w: "", beam_size: int = 1) -> loadgen.MakeRequest:
+def word_maker(
+    words: list[str], tag: Callable[[str], str] = lambda w: "", beam_size: int = 1, version: str = ""
+) -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         w = words[i % len(words)]
-        return g2p_request([w], beam_size=beam_size), len(w), tag(w)
+        return g2p_request([w], beam_size=beam_size, version=version), len(w), tag(w)
 
     return make
 

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 BEAM_SIZE = 4  # the beam section's beam width
+G2P_VERSION = "1"  # the g2p version the batching sections measure (their history in BENCHMARKS.md is version 1's)
 OVERLOAD_QUEUE_WAIT_MS = 25.0
 THROUGHPUT_QUEUE_WAIT_MS = 10_000.0
 
@@ -129,7 +130,7 @@ def g2p_section(servers: Servers, words: list[str], seconds: float, results: dic
     loose = {"max_queue_wait_ms": THROUGHPUT_QUEUE_WAIT_MS}
     off = {"g2p": {"batching": {"enabled": False, **loose}}}
     for per_request, key in ((1, "g2p_c64"), (8, "g2p_c64_8words")):
-        make = words_maker(words, per_request)
+        make = words_maker(words, per_request, G2P_VERSION)
 
         def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
             return loadgen.summarise(run_closed(s.url, make, 64, seconds, f"g2p x{per_request} {label}"))  # noqa: B023
@@ -149,7 +150,8 @@ def beam_section(servers: Servers, words: list[str], seconds: float, results: di
     batch vs one request at a time (batching off)."""
 
     def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
-        run = run_closed(s.url, word_maker(words, beam_size=BEAM_SIZE), 16, seconds / 2, f"beam {label}")
+        make = word_maker(words, beam_size=BEAM_SIZE, version=G2P_VERSION)
+        run = run_closed(s.url, make, 16, seconds / 2, f"beam {label}")
         return loadgen.summarise(run)
 
     off = {"g2p": {"batching": {"enabled": False}}}
@@ -168,7 +170,8 @@ def continuous_section(servers: Servers, words: list[str], seconds: float, resul
         return "short" if len(w) <= 5 else "long"
 
     def measure(s: ServerProcess, name: str, label: str) -> dict[str, Any]:
-        return loadgen.summarise(run_closed(s.url, word_maker(mix, kind), 32, seconds, label), "short")
+        make = word_maker(mix, kind, version=G2P_VERSION)
+        return loadgen.summarise(run_closed(s.url, make, 32, seconds, label), "short")
 
     static = {"g2p": {"batching": {"continuous": False}}}
     turns = take_turns(servers, {"continuous": (None, None), "static": (static, None)}, measure)

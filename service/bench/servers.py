@@ -62,12 +62,13 @@ def variant(models: Path, into: Path, changes: dict[str, dict[str, Any]]) -> Pat
         if not model_dir.is_dir():
             continue
         target = into / model_dir.name
-        (target / "1").mkdir(parents=True)
-        for f in (model_dir / "1").iterdir():
-            (target / "1" / f.name).symlink_to(f.resolve())
+        for version in (v for v in model_dir.iterdir() if v.is_dir() and v.name.isdigit()):
+            (target / version.name).mkdir(parents=True)
+            for f in version.iterdir():
+                (target / version.name / f.name).symlink_to(f.resolve())
         config = json.loads((model_dir / "config.json").read_text())
         for key, value in changes.get(model_dir.name, {}).items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and key != "version_policy":  # a policy is one of three: replaced
                 config.setdefault(key, {}).update(value)
             else:
                 config[key] = value

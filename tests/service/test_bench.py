@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from service.bench import targets_table
+from service.bench.versions import model_cards
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 
@@ -105,3 +106,22 @@ def test_protocols_compares_http_and_grpc_on_one_server(tmp_path: Path) -> None:
             run = report[f"{name} c{c}"]
             assert run["requests"] > 0 and run["codes"] == {"OK": run["requests"]}, (name, run)
         assert re.search(rf"^\| {name} \| [\d.]+ \|", done.stdout, re.MULTILINE), done.stdout
+
+
+def test_versions_sets_g2p_version_2_beside_version_1_in_one_run(tmp_path: Path) -> None:
+    done = bench("--versions", "--seconds", "0.3", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "versions.json").read_text())
+    assert report["versions"] == ["1", "2"]
+    for v in ("1", "2"):
+        for c in (1, 64):
+            run = report[f"v{v} c{c}"]
+            assert run["words_per_s"] > 0 and run["p99_ms"] >= run["p50_ms"] > 0, (v, c)
+            assert list(run["codes"]) == ["OK"] and len(run["rounds"]) == report["rounds"], (v, c, run["codes"])
+    assert report["v1 c64"]["over_v1"] == 1.0
+    # The table names each version's size and test figures from its own model card.
+    for v, card in model_cards(ROOT / "models").items():
+        wer, per = card["test"]["wer_stress_free"], card["test"]["per_stress_free"]
+        row = f"| {v} | {card['parameters'] / 1e6:.2f} M | {wer:.2%} / {per:.2%} |"
+        assert row in done.stdout, (row, done.stdout)
+    assert (tmp_path / "versions.md").read_text().strip() in done.stdout
