@@ -214,7 +214,7 @@ def test_answers_through_the_published_port_equal_a_local_servers(stack: Stack, 
     assert served["unary"] == local["unary"] and served["stream"] == local["unary"], (served, local)
     np.testing.assert_allclose(served["encoder"], local["encoder"], atol=1e-5)
     metrics = urllib.request.urlopen(f"http://{stack.address('qkv', 8002)}/metrics", timeout=10).read().decode()
-    assert 'qkv_requests_total{code="OK",model="g2p",version="1"}' in metrics
+    assert 'qkv_requests_total{code="OK",model="g2p",version="2"}' in metrics
     generate = urllib.request.Request(
         f"http://{stack.address('qkv', 8000)}/v2/models/g2p/generate",
         data=json.dumps({"text_input": f"{WORDS[0]} {WORDS[1]}"}).encode(),

@@ -3,8 +3,11 @@
 import hashlib
 import json
 
+import pytest
+
 from export import data
 from export.evaluate import predict
+from service.bench.versions import model_cards
 from service.seq2seq import OnnxSeq2Seq
 from service.vocab import Vocabulary
 from tests.conftest import MODELS
@@ -12,18 +15,28 @@ from tests.conftest import MODELS
 COMMON = ["hello", "world", "water", "house", "music", "people", "little", "morning", "garden", "table"]
 
 
-def test_files_match_the_hashes_in_the_model_card() -> None:
+def versions(model: str) -> list[str]:
+    return sorted((p.name for p in (MODELS / model).iterdir() if p.is_dir() and p.name.isdigit()), key=int)
+
+
+def test_g2p_ships_two_versions_and_the_encoder_one() -> None:
+    assert versions("g2p") == ["1", "2"] and versions("g2p_encoder") == ["1"]
+    config = json.loads((MODELS / "g2p" / "config.json").read_text())
+    assert config["version_policy"] == {"all": {}}  # both served; a request without a version gets 2
+
+
+def test_files_match_the_hashes_in_the_model_cards() -> None:
     for model in ("g2p", "g2p_encoder"):
-        config = json.loads((MODELS / model / "config.json").read_text())
-        hashes = config["model_card"]["sha256"]
-        files = {p.name for p in (MODELS / model / "1").iterdir()}
-        assert set(hashes) == files
-        for name, digest in hashes.items():
-            assert hashlib.sha256((MODELS / model / "1" / name).read_bytes()).hexdigest() == digest, name
+        for version, card in model_cards(MODELS, model).items():
+            hashes = card["sha256"]
+            assert set(hashes) == {p.name for p in (MODELS / model / version).iterdir()}, (model, version)
+            for name, digest in hashes.items():
+                assert hashlib.sha256((MODELS / model / version / name).read_bytes()).hexdigest() == digest, name
 
 
-def test_the_card_carries_the_measured_test_figures() -> None:
-    card = json.loads((MODELS / "g2p" / "config.json").read_text())["model_card"]
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_the_card_carries_the_measured_test_figures(version: str) -> None:
+    card = model_cards(MODELS)[version]
     test = card["test"]
     assert test["split"] == "test" and test["words"] == len(data.read_split("test"))
     for key in ("wer", "per", "wer_stress_free", "per_stress_free"):
@@ -33,11 +46,24 @@ def test_the_card_carries_the_measured_test_figures() -> None:
     assert card["parameters"] > 1e6 and card["onnx_opset"] >= 17
 
 
-def test_common_words_come_out_right_through_onnxruntime() -> None:
-    version = MODELS / "g2p" / "1"
-    model = OnnxSeq2Seq(version)
+def test_version_2_is_larger_more_accurate_and_its_card_says_how_it_was_made() -> None:
+    cards = model_cards(MODELS)
+    one, two = cards["1"], cards["2"]
+    assert two["parameters"] > 2 * one["parameters"]
+    for key in ("wer", "per", "wer_stress_free", "per_stress_free"):
+        assert two["test"][key] < one["test"][key], key
+    assert two["test_beam"]["beam_size"] > 1 and two["test_beam"]["words"] == two["test"]["words"]
+    training = two["training"]
+    assert training["hardware"] and [run["hardware"] for run in training["continues"]]
+    assert training["total_hours"] > training["hours"]
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_common_words_come_out_right_through_onnxruntime(version: str) -> None:
+    directory = MODELS / "g2p" / version
+    model = OnnxSeq2Seq(directory)
     out = predict(
-        model, Vocabulary.load(version / "graphemes.json"), Vocabulary.load(version / "phonemes.json"), COMMON
+        model, Vocabulary.load(directory / "graphemes.json"), Vocabulary.load(directory / "phonemes.json"), COMMON
     )
     lexicon = data.load_lexicon()
     right = [w for w, p in zip(COMMON, out, strict=True) if p in lexicon[w]]

@@ -416,7 +416,9 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
 
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: [])(0)) < 2, reason="needs two cores")
 def test_two_one_instance_models_compute_on_different_cores(tmp_path: Path) -> None:
-    repo = variant(MODELS, tmp_path / "models", {"g2p_encoder": {"instances": 1}, "g2p": {"instances": 1}})
+    newest = {"latest": {"num_versions": 1}}  # one g2p version, so one instance of each model
+    repo = variant(MODELS, tmp_path / "models", {"g2p_encoder": {"instances": 1},
+                                                 "g2p": {"instances": 1, "version_policy": newest}})  # fmt: skip
     s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
     try:
         with grpc.insecure_channel(s.url) as channel:

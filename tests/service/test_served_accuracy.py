@@ -6,6 +6,8 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from export import data
 from export.evaluate import predict
 from service.bench import variant
@@ -16,20 +18,23 @@ from service.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 
 
-def test_served_predictions_equal_offline_evaluation_on_2000_test_words(server: RunningServer) -> None:
+@pytest.mark.parametrize(("version", "sample"), [("1", 2000), ("2", None)])
+def test_served_predictions_equal_offline_evaluation(server: RunningServer, version: str, sample: int | None) -> None:
+    """Version 2 (the default) on the whole test split, version 1 on 2,000 of its words."""
     # Words the server's text normalisation leaves alone (all but a single-letter abbreviation or two).
-    words = random.Random(7).sample([w for w in data.read_split("test") if normalize_word(w) == w], 2000)
-    version = MODELS / "g2p" / "1"
+    words = [w for w in data.read_split("test") if normalize_word(w) == w]
+    words = random.Random(7).sample(words, sample) if sample else words
+    directory = MODELS / "g2p" / version
     offline = predict(
-        OnnxSeq2Seq(version, session_options(2)),
-        Vocabulary.load(version / "graphemes.json"),
-        Vocabulary.load(version / "phonemes.json"),
+        OnnxSeq2Seq(directory, session_options(2)),
+        Vocabulary.load(directory / "graphemes.json"),
+        Vocabulary.load(directory / "phonemes.json"),
         words,
     )
     client = Client(server.url, timeout=60)  # retries a refusal after the server's pushback hint
 
     def call(chunk: list[str]) -> list[str]:
-        return client.g2p(chunk)
+        return client.g2p(chunk, version=version)
 
     # Requests of 1 to 16 words, 8 in flight: they share continuous batches on the server.
     rng = random.Random(1)
@@ -42,6 +47,7 @@ def test_served_predictions_equal_offline_evaluation_on_2000_test_words(server: 
         served = [p for part in pool.map(call, chunks) for p in part]
     mismatches = [(w, s, " ".join(o)) for w, s, o in zip(words, served, offline, strict=True) if s != " ".join(o)]
     assert not mismatches, mismatches[:5]
+    assert len(words) >= (sample or len(data.read_split("test")) - 20)
 
 
 def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_path: Path) -> None:
@@ -61,7 +67,7 @@ def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_pat
     s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
     try:
         client = Client(s.url, timeout=60)
-        served = [p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10])]
+        served = [p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10], version="1")]
     finally:
         stop_server(s)
     assert served == int8

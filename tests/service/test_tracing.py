@@ -107,7 +107,7 @@ def test_a_g2p_request_continues_the_callers_trace_with_its_time_split_into_span
     a = attrs(server)
     assert a["rpc.system"] == "grpc" and a["rpc.service"] == "inference.GRPCInferenceService"
     assert a["rpc.method"] == "ModelInfer" and a["rpc.grpc.status_code"] == 0 and a["qkv.status"] == "OK"
-    assert a["qkv.model"] == "g2p" and a["qkv.model.version"] == "1" and a["qkv.words"] == 2
+    assert a["qkv.model"] == "g2p" and a["qkv.model.version"] == "2" and a["qkv.words"] == 2
     assert a["qkv.seq_len"] == len("transformer")
     assert set(kids) == {"qkv.admission", "qkv.queue", "qkv.decode"}
     assert attrs(kids["qkv.admission"])["qkv.admission.decision"] == "admitted"
