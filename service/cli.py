@@ -65,6 +65,7 @@ def _infer(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="qkv infer", description="Words in, phonemes out.")
     parser.add_argument("words", nargs="+", help="each argument is one TEXT element")
     parser.add_argument("--model", default="g2p")
+    parser.add_argument("--model-version", default="", help="a version of the model (default: the newest served)")
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--traceparent", help="W3C trace context to continue (default: a new trace)")
@@ -75,13 +76,15 @@ def _infer(argv: list[str]) -> int:
     print(f"trace {trace_id(traceparent)}", file=sys.stderr)
     try:
         with _client(args) as client:
-            request = g2p_request(args.words, args.model, beam_size=args.beam_size)
-            out = g2p_outputs(client.infer(request, traceparent=traceparent))
+            request = g2p_request(args.words, args.model, beam_size=args.beam_size, version=args.model_version)
+            response = client.infer(request, traceparent=traceparent)
+            out = g2p_outputs(response)
     except grpc.RpcError as e:
         print(f"qkv infer: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([{"text": w, "phonemes": p} for w, p in zip(args.words, out["PHONEMES"], strict=True)]))
+        pairs = zip(args.words, out["PHONEMES"], strict=True)
+        print(json.dumps([{"text": w, "phonemes": p, "model_version": response.model_version} for w, p in pairs]))
     else:
         for w, p in zip(args.words, out["PHONEMES"], strict=True):
             print(f"{w}\t{p}")

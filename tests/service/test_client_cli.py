@@ -72,6 +72,11 @@ def test_qkv_infer_health_and_attention(server: RunningServer, tmp_path: Path) -
     assert [line.split("\t")[0] for line in lines] == ["hello", "world"]
     js = qkv("infer", "--url", server.url, "--json", "hello world")
     assert json.loads(js.stdout)[0]["phonemes"].count(" | ") == 1
+    assert json.loads(js.stdout)[0]["model_version"] == "2"  # the newest, unless one is named
+    one = qkv("infer", "--url", server.url, "--json", "--model-version", "1", "hello")
+    assert json.loads(one.stdout)[0]["model_version"] == "1"
+    gone = qkv("infer", "--url", server.url, "--model-version", "7", "hello")
+    assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr and "version '7'" in gone.stderr
     bad = qkv("infer", "--url", server.url, "naïve")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     assert qkv("health", "--url", server.url).stdout.strip() == "SERVING"
