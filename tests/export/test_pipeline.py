@@ -147,3 +147,15 @@ def test_a_new_version_is_exported_beside_the_old_and_both_are_served(tiny_check
         answered = {v: client.infer("g2p", [text], model_version=v).get_response().model_version for v in "12"}
         assert answered == {"1": "1", "2": "2"}
         assert client.infer("g2p", [text]).get_response().model_version == "2"  # the newest by default
+
+
+def test_a_version_of_g2p_alone_leaves_the_encoder_model_as_it_was(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    words = data.read_split("test")[:20]
+    write_repository(load_checkpoint(tiny_checkpoint, max_len=128), tmp_path, words)
+    encoder_before = (tmp_path / "g2p_encoder" / "config.json").read_text()
+    second = write_repository(load_checkpoint(tiny_checkpoint.parent / "last.pt", max_len=128), tmp_path, words,
+                              version="2", beside=True, encoder_model=False)  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "g2p").iterdir() if p.is_dir()) == ["1", "2"]
+    assert sorted(p.name for p in (tmp_path / "g2p_encoder").iterdir() if p.is_dir()) == ["1"]
+    assert (tmp_path / "g2p_encoder" / "config.json").read_text() == encoder_before
+    assert second["version_policy"] == {"all": {}} and set(second["model_card"]["versions"]) == {"1"}
