@@ -192,6 +192,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
             f"best dev WER {best:.3f}"
         )
     n_params = sum(p.numel() for p in model.parameters())
+    machine = hardware(device, c.threads)
     print(f"{n_params / 1e6:.2f} M parameters, {len(examples)} training pairs, {config}", flush=True)
 
     def save(path: Path, elapsed_s: float, resumable: bool = True) -> None:
@@ -214,7 +215,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
                     "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
                 },
                 "parameters": n_params,
-                "hardware": hardware(device, c.threads),
+                "hardware": machine,
                 "lineage": lineage,
                 "graphemes": graphemes.symbols,
                 "phonemes": phonemes.symbols,

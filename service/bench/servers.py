@@ -22,6 +22,7 @@ import numpy as np
 
 from service import loadgen, protocol
 from service.process import ServerProcess, start_server, stop_server
+from service.repository import available_versions
 
 __all__ = [
     "ROUNDS",
@@ -62,10 +63,10 @@ def variant(models: Path, into: Path, changes: dict[str, dict[str, Any]]) -> Pat
         if not model_dir.is_dir():
             continue
         target = into / model_dir.name
-        for version in (v for v in model_dir.iterdir() if v.is_dir() and v.name.isdigit()):
-            (target / version.name).mkdir(parents=True)
-            for f in version.iterdir():
-                (target / version.name / f.name).symlink_to(f.resolve())
+        for version in map(str, available_versions(model_dir)):
+            (target / version).mkdir(parents=True)
+            for f in (model_dir / version).iterdir():
+                (target / version / f.name).symlink_to(f.resolve())
         config = json.loads((model_dir / "config.json").read_text())
         for key, value in changes.get(model_dir.name, {}).items():
             if isinstance(value, dict) and key != "version_policy":  # a policy is one of three: replaced

@@ -20,6 +20,7 @@ from service import loadgen
 from service.bench.load import held_out_words, run_closed, word_maker
 from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
 from service.bench.servers import Servers
+from service.repository import available_versions
 
 __all__ = ["versions", "versions_table"]
 
@@ -27,16 +28,12 @@ CONCURRENCY = (1, 64)
 ROUNDS = 3
 
 
-def served_versions(models: Path, model: str = "g2p") -> list[str]:
-    return sorted((p.name for p in (models / model).iterdir() if p.is_dir() and p.name.isdigit()), key=int)
-
-
 def versions(models: Path, out: Path, seconds: float = 4.0) -> dict[str, Any]:
     """Words/s, p50 and p99 of every g2p version at c1 and c64 (throughput measured, not admission:
     the queue-wait objective is loosened, as in the suite's g2p section)."""
     scratch = Path(tempfile.mkdtemp(prefix="qkv-versions-"))
     servers = Servers(models, scratch)
-    names = served_versions(models)
+    names = [str(v) for v in available_versions(models / "g2p")]
     words = held_out_words()
     rounds: dict[str, dict[int, list[dict[str, Any]]]] = {v: {c: [] for c in CONCURRENCY} for v in names}
     try:
@@ -99,5 +96,5 @@ def model_cards(models: Path, model: str = "g2p") -> dict[str, dict[str, Any]]:
     """Each version's model card: the config's own is the newest version's, the others under "versions"."""
     card = json.loads((models / model / "config.json").read_text()).get("model_card", {})
     cards = dict(card.pop("versions", {}))
-    newest = served_versions(models, model)[-1]
+    newest = str(available_versions(models / model)[-1])
     return {**cards, newest: card}

@@ -8,6 +8,7 @@ import pytest
 from export import data
 from export.evaluate import predict
 from service.bench.versions import model_cards
+from service.repository import available_versions
 from service.seq2seq import OnnxSeq2Seq
 from service.vocab import Vocabulary
 from tests.conftest import MODELS
@@ -15,12 +16,8 @@ from tests.conftest import MODELS
 COMMON = ["hello", "world", "water", "house", "music", "people", "little", "morning", "garden", "table"]
 
 
-def versions(model: str) -> list[str]:
-    return sorted((p.name for p in (MODELS / model).iterdir() if p.is_dir() and p.name.isdigit()), key=int)
-
-
 def test_g2p_ships_two_versions_and_the_encoder_one() -> None:
-    assert versions("g2p") == ["1", "2"] and versions("g2p_encoder") == ["1"]
+    assert available_versions(MODELS / "g2p") == [1, 2] and available_versions(MODELS / "g2p_encoder") == [1]
     config = json.loads((MODELS / "g2p" / "config.json").read_text())
     assert config["version_policy"] == {"all": {}}  # both served; a request without a version gets 2
 

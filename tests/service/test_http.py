@@ -29,11 +29,12 @@ from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from service.bench.servers import scrape, variant
+from service.repository import available_versions
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 
 # The g2p version a request that names none reaches: the newest shipped.
-G2P_DEFAULT = max((p.name for p in (MODELS / "g2p").iterdir() if p.name.isdigit()), key=int)
+G2P_DEFAULT = str(available_versions(MODELS / "g2p")[-1])
 
 MAX_BYTES = 1 << 20  # the fixture's --max-message-bytes
 WORDS = [b"attention", b"transformer", b"hello"]
