@@ -2,15 +2,18 @@
 
 Writes two entries (docs/design.md, "Model repository"):
     models/g2p/          encoder.onnx (+ cross-attention keys/values), decoder.onnx (one cached step),
-                         their int8 copies (export/quantize.py), graphemes.json, phonemes.json under 1/,
-                         and config.json with the model card
+                         graphemes.json, phonemes.json under 1/, and config.json with the model card
+                         (`--int8`: the graphs' int8 copies beside them, export/quantize.py)
     models/g2p_encoder/  the same encoder as a plain tensor model: input_ids, attention_mask -> last_hidden_state
-The export refuses to write a repository whose graphs disagree with PyTorch.
+The graphs store their weights as fp16 and compute in fp32 (export/storage.py). The export refuses to write
+a repository whose graphs disagree with PyTorch running the same fp16-rounded weights, and records how
+often the rounding changes a word's greedy answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import shutil
@@ -29,6 +32,7 @@ from export import data
 from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
+from export.storage import round_weights_fp16, store_weights_fp16
 from service.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq import (
     DECODER_FILE,
@@ -38,6 +42,7 @@ from service.seq2seq import (
     STEP_INPUTS,
     STEP_OUTPUTS,
     OnnxSeq2Seq,
+    session_options,
     step_arrays,
     step_input_names,
 )
@@ -46,6 +51,7 @@ __all__ = ["export_graphs", "main", "parity_check", "write_repository"]
 
 OPSET = 18
 LOGIT_TOLERANCE = 1e-4
+MIN_ROUNDING_AGREEMENT = 0.99  # of parity words whose greedy answer fp16 weights leave as it was
 MAX_WORD_LENGTH = 32  # graphemes; CMUdict's longest word has 28
 MAX_OUTPUT_LENGTH = 40  # phonemes; CMUdict's longest pronunciation has 28
 MAX_SEQUENCE_LENGTH = 512  # positions the exported graphs cover (the tensor model takes long inputs)
@@ -146,7 +152,7 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str, Any]:
     """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`."""
     torch_model: StepModel = TorchStepModel(loaded.model)
-    onnx_model: StepModel = OnnxSeq2Seq(directory)
+    onnx_model: StepModel = OnnxSeq2Seq(directory, session_options(2))
     rng = np.random.default_rng(0)
     worst = 0.0
     sources = [loaded.graphemes.encode(w) for w in words[:64]]
@@ -169,10 +175,22 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
                 keys[:, :, :, step], values[:, :, :, step] = out[1], out[2]
                 outs.append(out)
             worst = max(worst, *(_max_diff(x, y) for x, y in zip(*outs, strict=True)))
-    hyp_t = greedy_decode(torch_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
-    hyp_o = greedy_decode(onnx_model, [loaded.graphemes.encode(w) for w in words], MAX_OUTPUT_LENGTH)
-    same = sum(a.output == b.output for a, b in zip(hyp_t, hyp_o, strict=True))
+    same = _greedy_agreement(torch_model, onnx_model, [loaded.graphemes.encode(w) for w in words])
     return {"max_abs_diff": worst, "greedy_identical": same, "greedy_words": len(words)}
+
+
+def _greedy_agreement(a: StepModel, b: StepModel, sources: list[list[int]]) -> int:
+    """On how many of `sources` the two models' greedy outputs are the same."""
+    hyps = (greedy_decode(m, sources, MAX_OUTPUT_LENGTH) for m in (a, b))
+    return sum(x.output == y.output for x, y in zip(*hyps, strict=True))
+
+
+def rounding_check(loaded: Loaded, rounded: Loaded, words: list[str]) -> dict[str, Any]:
+    """What storing the weights as fp16 changes: greedy outputs of `words` with the full and the rounded
+    weights, both in PyTorch."""
+    sources = [loaded.graphemes.encode(w) for w in words]
+    same = _greedy_agreement(TorchStepModel(loaded.model), TorchStepModel(rounded.model), sources)
+    return {"stored_as": "fp16, computed in fp32", "greedy_identical": same, "greedy_words": len(words)}
 
 
 def write_repository(
@@ -188,14 +206,20 @@ def write_repository(
     as `version` next to the versions already there, all served (version_policy "all"). The model card
     describes the newest version; the cards of the others move under its "versions". Without
     `encoder_model`, models/g2p_encoder is left as it is."""
+    rounded = Loaded(round_weights_fp16(copy.deepcopy(loaded.model)), loaded.graphemes, loaded.phonemes, loaded.state)
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp)
-        paths = export_graphs(loaded.model, staging)
+        paths = export_graphs(rounded.model, staging)
+        for path in paths.values():
+            store_weights_fp16(path)  # exact: the weights are fp16 values already
         loaded.graphemes.save(staging / GRAPHEMES_FILE)
         loaded.phonemes.save(staging / PHONEMES_FILE)
-        parity = parity_check(loaded, staging, parity_words)
+        parity = parity_check(rounded, staging, parity_words)
         if parity["max_abs_diff"] > LOGIT_TOLERANCE or parity["greedy_identical"] != parity["greedy_words"]:
             raise RuntimeError(f"ONNX graphs disagree with PyTorch: {parity}")
+        weights = rounding_check(loaded, rounded, parity_words)
+        if weights["greedy_identical"] < MIN_ROUNDING_AGREEMENT * weights["greedy_words"]:
+            raise RuntimeError(f"fp16 weights change too many answers: {weights}")
         g2p, enc = repository / "g2p", repository / "g2p_encoder"
         written = (g2p, enc) if encoder_model else (g2p,)
         earlier = {d: _earlier_cards(d, version) if beside else {} for d in written}
@@ -225,6 +249,7 @@ def write_repository(
         "test": metrics or {},
         "onnx_opset": OPSET,
         "parity": parity,
+        "weights": weights,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     g2p_config: dict[str, Any] = {
@@ -315,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write models/g2p only; models/g2p_encoder (the encoder as a tensor model) stays as it is",
     )
+    parser.add_argument("--int8", action="store_true", help="also write the graphs' int8 copies (export/quantize.py)")
     parser.add_argument(
         "--version",
         help="write this version beside the versions already in the repository, all of them served "
@@ -339,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate_repository(args.model_repository / "g2p", beam_size=beam_size)
             record_in_card(args.model_repository, result)
             print(json.dumps(result, indent=2))
-    int8 = quantize_repository(args.model_repository, evaluate=not args.no_evaluate)
+    int8 = quantize_repository(args.model_repository, evaluate=not args.no_evaluate) if args.int8 else None
     if int8:
         print(f"int8 graphs: test WER {int8['wer']:.2%} PER {int8['per']:.2%}")
     written = "g2p" if args.no_encoder_model else "g2p and g2p_encoder"

@@ -15,13 +15,16 @@ import argparse
 import hashlib
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from export import data
 from export.evaluate import MAX_OUTPUT_LENGTH, evaluate_repository
+from export.storage import weights_fp32
 from service.generation import greedy_decode
 from service.repository import load_model_config
 from service.seq2seq import (
@@ -51,12 +54,14 @@ def quantize_graphs(version: Path, calibration_words: int = 400) -> list[Path]:
     encoder_feeds, decoder_feeds = _calibration_feeds(version, calibration_words)
     logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process applies to convolutions
     written = []
-    for name, feeds in ((ENCODER_FILE, encoder_feeds), (DECODER_FILE, decoder_feeds)):
-        target = version / graph_file(name, PRECISION)
-        quantize_static(version / name, target, Feeds(feeds), quant_format=QuantFormat.QOperator,
-                        op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
-                        activation_type=QuantType.QUInt8)  # fmt: skip
-        written.append(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, feeds in ((ENCODER_FILE, encoder_feeds), (DECODER_FILE, decoder_feeds)):
+            source, target = Path(tmp) / name, version / graph_file(name, PRECISION)
+            onnx.save(weights_fp32(onnx.load(str(version / name))), str(source))  # weights it can quantize
+            quantize_static(source, target, Feeds(feeds), quant_format=QuantFormat.QOperator,
+                            op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
+                            activation_type=QuantType.QUInt8)  # fmt: skip
+            written.append(target)
     return written
 
 

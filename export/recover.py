@@ -3,8 +3,9 @@
 The repository ships graphs, not training checkpoints. To export them again (a new graph layout,
 a new opset) the PyTorch model is rebuilt from `encoder.onnx` and `decoder.onnx`: every named
 initializer is a parameter under its own name, and every nameless weight matrix feeds a MatMul in
-the order the exporter traced the modules, transposed (nn.Linear keeps (out, in)). The rebuilt
-model must reproduce both graphs' outputs, or nothing is written.
+the order the exporter traced the modules, transposed (nn.Linear keeps (out, in)); weights stored as
+fp16 (export/storage.py) come back as the same values in fp32. The rebuilt model must reproduce both
+graphs' outputs, or nothing is written.
 
     python -m export.recover models/g2p --out checkpoints/g2p/recovered.pt
     qkv export checkpoints/g2p/recovered.pt
@@ -25,6 +26,7 @@ from onnx import numpy_helper
 
 from export.checkpoint import TorchStepModel, load_checkpoint
 from export.model import Transformer, TransformerConfig, make_model
+from export.storage import weights_fp32
 from service.generation import pad_ids
 from service.repository import load_model_config
 from service.seq2seq import DECODER_FILE, ENCODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE
@@ -56,7 +58,7 @@ def _linear_order(config: TransformerConfig) -> tuple[list[str], list[str]]:
 def _graph_weights(path: Path, linears: list[str]) -> dict[str, np.ndarray]:
     """Parameters by name where the graph kept their names; the nameless weight matrices, in graph
     order, to the `linears` still missing, transposed back to nn.Linear's (out, in)."""
-    graph = onnx.load(str(path)).graph
+    graph = weights_fp32(onnx.load(str(path))).graph
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     params = {name.removeprefix("model."): a for name, a in inits.items() if name.startswith("model.")}
     nameless = [(n.input[1], n) for n in graph.node if n.op_type in ("MatMul", "Gemm")

@@ -5,14 +5,16 @@ import random
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import tritonclient.grpc as g
 
 from export import data
-from export.checkpoint import load_checkpoint
-from export.evaluate import evaluate_checkpoint, evaluate_repository
+from export.checkpoint import TorchStepModel, load_checkpoint
+from export.evaluate import evaluate, evaluate_repository
 from export.onnx_export import write_repository
+from export.storage import MIN_ELEMENTS, round_weights_fp16
 from export.train import TrainConfig, train
 from service.generation import greedy_decode
 from service.seq2seq import OnnxSeq2Seq
@@ -58,17 +60,23 @@ def test_export_parity_and_same_figures_from_both_runtimes(tiny_checkpoint: Path
     loaded = load_checkpoint(tiny_checkpoint, max_len=128)
     words = random.Random(0).sample(data.read_split("test"), 200)
     config = write_repository(loaded, tmp_path, words)
-    parity = config["model_card"]["parity"]
+    parity, weights = config["model_card"]["parity"], config["model_card"]["weights"]
     assert parity["max_abs_diff"] <= 1e-4
     assert parity["greedy_identical"] == 200
+    assert weights["greedy_words"] == 200 and weights["greedy_identical"] >= 198  # what fp16 weights changed
     card = json.loads((tmp_path / "g2p" / "config.json").read_text())["model_card"]
     assert set(card["sha256"]) == {"encoder.onnx", "decoder.onnx", "graphemes.json", "phonemes.json"}
     assert (tmp_path / "g2p_encoder" / "1" / "model.onnx").exists()
-    onnx = evaluate_repository(tmp_path / "g2p", limit=150)
-    torch_ = evaluate_checkpoint(tiny_checkpoint, limit=150)
+    # Half the size: every weight matrix is stored as fp16, and onnxruntime computes in fp32.
+    graph = onnx.load(str(tmp_path / "g2p" / "1" / "decoder.onnx")).graph
+    stored = {t.data_type for t in graph.initializer if np.prod(t.dims) >= MIN_ELEMENTS}
+    assert stored == {onnx.TensorProto.FLOAT16}
+    onnx_ = evaluate_repository(tmp_path / "g2p", limit=150)
+    rounded = round_weights_fp16(load_checkpoint(tiny_checkpoint).model)
+    torch_ = evaluate(TorchStepModel(rounded), loaded.graphemes, loaded.phonemes, limit=150)
     for key in ("wer", "per", "wer_stress_free", "per_stress_free"):
-        assert onnx[key] == pytest.approx(torch_[key]), key
-    assert onnx["words"] == 150
+        assert onnx_[key] == pytest.approx(torch_[key]), key
+    assert onnx_["words"] == 150
     # The int8 copies: written beside the graphs, hashed in the card, a word's answer independent of its batch.
     from export.quantize import quantize_repository
 
@@ -111,13 +119,13 @@ def test_a_checkpoint_recovered_from_the_exported_graphs_has_the_trained_weights
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     """The repository ships graphs, not checkpoints: export, rebuild the model from the graphs, and
-    every parameter is the trained one."""
+    every parameter is the trained one, as the graphs store it (rounded to fp16)."""
     from export.recover import recover
 
     loaded = load_checkpoint(tiny_checkpoint, max_len=128)
     write_repository(loaded, tmp_path, data.read_split("test")[:20])
     rebuilt = recover(tmp_path / "g2p" / "1", loaded.model.config)
-    trained = loaded.model.state_dict()
+    trained = round_weights_fp16(loaded.model).state_dict()
     for key, value in rebuilt.state_dict().items():
         assert torch.equal(value, trained[key]), key
 

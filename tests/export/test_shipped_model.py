@@ -3,10 +3,13 @@
 import hashlib
 import json
 
+import numpy as np
+import onnx
 import pytest
 
 from export import data
 from export.evaluate import predict
+from export.storage import MIN_ELEMENTS
 from service.bench.versions import model_cards
 from service.repository import available_versions
 from service.seq2seq import OnnxSeq2Seq
@@ -29,6 +32,18 @@ def test_files_match_the_hashes_in_the_model_cards() -> None:
             assert set(hashes) == {p.name for p in (MODELS / model / version).iterdir()}, (model, version)
             for name, digest in hashes.items():
                 assert hashlib.sha256((MODELS / model / version / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_the_shipped_graphs_store_their_weights_as_fp16() -> None:
+    """Half the size of fp32 (models/ stays small enough to clone), and the card says what it changed."""
+    graphs = sorted(MODELS.rglob("*.onnx"))
+    assert len(graphs) == 5
+    for path in graphs:
+        weights = [t for t in onnx.load(str(path)).graph.initializer if np.prod(t.dims) >= MIN_ELEMENTS]
+        assert weights and {t.data_type for t in weights} == {onnx.TensorProto.FLOAT16}, path
+    for card in model_cards(MODELS).values():
+        assert card["weights"]["greedy_identical"] >= 0.99 * card["weights"]["greedy_words"] >= 1000
+    assert sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file()) < 30e6
 
 
 @pytest.mark.parametrize("version", ["1", "2"])
