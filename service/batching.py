@@ -23,6 +23,8 @@ from service.errors import Internal, ServingError, Unavailable
 from service.repository import BatchingConfig
 from service.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
 
+OVERLAP_HANDOFFS = 3  # see `DynamicBatcher.use`
+
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.tracing import Tracing
 
@@ -126,7 +128,10 @@ class DynamicBatcher:
         """Batch with the tuned settings, and keep the cost model current with every batch served."""
         self.config = self.admission.config = tuning.config
         self.cost = cost
-        self.pacing = Pacing(None if "max_queue_delay_ms" in tuning.given else cost)
+        # A tuned inline rule also asks that requests come one at a time (`Pacing.alone`): one arriving within a
+        # few hand-offs of an inline computation's end had been waiting behind it.
+        overlap = None if "inline_max_tokens" in tuning.given else OVERLAP_HANDOFFS * tuning.handoff_ms / 1e3
+        self.pacing = Pacing(None if "max_queue_delay_ms" in tuning.given else cost, overlap)
 
     def start(self) -> None:
         self._dispatcher = asyncio.create_task(self._dispatch())
@@ -138,7 +143,7 @@ class DynamicBatcher:
         self.admission.admit(item.tokens, item.deadline)
         if item.trace is not None:
             item.trace.admitted(self.admission)
-        self.pacing.arrived(item.arrived)
+        self.pacing.arrived(item.arrived, busy=bool(self.queue) or len(self._idle) < self.instances)
         if self._inline(item):
             return self._run_inline(item)
         self.queue.append(item)
@@ -151,10 +156,11 @@ class DynamicBatcher:
             raise
 
     def _inline(self, item: WorkItem) -> bool:
-        """A small request on an idle server runs on this thread: handing it to an instance's
-        thread and back costs about as much as computing it."""
+        """A small request on an idle server, while requests come one at a time, runs on this thread:
+        handing it to an instance's thread and back costs a good share of computing it."""
         c = self.config
-        return item.tokens <= c.inline_max_tokens and not self.queue and len(self._idle) == self.instances
+        idle = not self.queue and len(self._idle) == self.instances
+        return item.tokens <= c.inline_max_tokens and idle and self.pacing.alone()
 
     def _run_inline(self, item: WorkItem) -> Any:
         instance = self._idle.pop()
@@ -166,6 +172,7 @@ class DynamicBatcher:
             (result,) = self._compute([item], instance)
         finally:
             self._idle.append(instance)
+            self.pacing.inlined(time.monotonic())
         if span is not None:
             span.close(item.rows, item.tokens, item.tokens, answered=True)
         if isinstance(result, BaseException):

@@ -43,6 +43,12 @@ class Run:
     def ok(self, tag: str | None = None) -> list[Sample]:
         return [s for s in self.samples if s.code == "OK" and (tag is None or s.tag == tag)]
 
+    def add(self, other: Run) -> None:
+        """`other`'s samples, time and CPU added to this run's: one run measured in slices."""
+        self.samples += other.samples
+        self.wall += other.wall
+        self.client_cpu += other.client_cpu
+
 
 def encoder_request(length: int, vocab: int, rng: np.random.Generator, model: str = "g2p_encoder") -> Any:
     ids = rng.integers(4, vocab, size=(1, length), dtype=np.int64)

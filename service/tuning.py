@@ -5,8 +5,12 @@ A batch's time as served (from the event loop to an instance's thread and back) 
 `fixed + per_token x padded tokens`, fitted to a sweep of batch sizes run at start and refitted to the
 batches served. With the measured cost of the hand-off alone, it decides what config.json leaves unsaid:
 
-- `inline_max_tokens`: a request on an idle server is computed on the event loop's own thread only when
-  its predicted time is far below (half) the cost of handing it to an instance's thread;
+- `inline_max_tokens`: a request on an idle server is computed on the event loop's own thread when its
+  predicted time is at most INLINE_HANDOFFS times the cost of handing it to an instance's thread, and
+  only while requests come one at a time (`Pacing.alone`): then the hand-off, and waking an idle core,
+  are what a lone request would wait for, and nobody waits behind it. Under concurrent load a request
+  computed inline holds up the ones arriving meanwhile, which then find the server idle in turn and run
+  one at a time, unbatched: the fixed 32-token rule did that (seq 16, c32: 0.2 of the ceiling);
 - `token_budget`: the padded tokens at which a batch's throughput, its fixed cost included, reaches
   99 % of what larger batches reach: beyond it they only add latency;
 - `max_queue_delay_ms`: one batch's fixed cost, the most that waiting for one more request can save; and
@@ -30,11 +34,22 @@ from typing import Any
 
 from service.repository import BatchingConfig
 
-__all__ = ["TUNED", "CostModel", "Pacing", "Tuning", "handoff_seconds", "served_seconds", "sweep", "tune"]
+__all__ = [
+    "QUIET_ARRIVALS",
+    "TUNED",
+    "CostModel",
+    "Pacing",
+    "Tuning",
+    "handoff_seconds",
+    "served_seconds",
+    "sweep",
+    "tune",
+]
 
 TUNED = ("inline_max_tokens", "token_budget", "max_queue_delay_ms")
 FLAT = 0.99  # the budget: where throughput reaches this share of what larger batches reach
-INLINE_SHARE = 0.5  # computed on the event loop only when that costs less than this share of a hand-off
+INLINE_HANDOFFS = 20  # computed on the event loop: a request that costs at most this many hand-offs
+QUIET_ARRIVALS = 8  # ... and only after this many requests in a row have come one at a time
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
 REFIT_EVERY = 32  # served batches between refits
 
@@ -155,10 +170,12 @@ def tune(
     per_batch = cost.fixed  # what every batch costs beyond its tokens as served, the hand-off included
     if "inline_max_tokens" not in given:
         # computed on the loop, a request costs its served cost less the hand-off
-        room = INLINE_SHARE * handoff - (cost.fixed - handoff)
+        room = INLINE_HANDOFFS * handoff - (cost.fixed - handoff)
         tokens = int(room / cost.per_token) if room > 0 and cost.per_token > 0 else 0
         changes["inline_max_tokens"] = tokens
-        reasons["inline_max_tokens"] = f"requests whose compute is below {INLINE_SHARE:g} of a hand-off"
+        reasons["inline_max_tokens"] = (
+            f"requests computing in at most {INLINE_HANDOFFS} hand-offs, while requests come one at a time"
+        )
     if "token_budget" not in given and cost.per_token > 0:
         # tokens / (per_batch + per_token x tokens) reaches FLAT of its limit at FLAT / (1 - FLAT) x ...
         budget = math.ceil(FLAT / (1 - FLAT) * per_batch / cost.per_token)
@@ -174,19 +191,36 @@ def tune(
 
 
 class Pacing:
-    """When a partial batch should wait for company: only while requests arrive faster than one batch's
-    fixed cost, which is what batching one more request saves."""
+    """What the arrivals say. When a partial batch should wait for company: only while requests arrive
+    faster than one batch's fixed cost, which is what batching one more request saves. And, with an
+    `overlap` gap, whether requests come one at a time, so that one computed on the event loop keeps
+    nobody waiting (`alone`)."""
 
-    def __init__(self, cost: CostModel | None) -> None:
+    def __init__(self, cost: CostModel | None, overlap: float | None = None) -> None:
         self.cost = cost
         self.interarrival = math.inf  # seconds, smoothed
         self._last = 0.0
+        self.overlap = overlap  # an arrival this soon after an inline computation ended waited behind it
+        self._alone = 0  # arrivals in a row that found the server idle and did not wait behind an inline one
+        self._inline_end = -math.inf
 
-    def arrived(self, now: float) -> None:
+    def arrived(self, now: float, busy: bool = False) -> None:
+        """A request arrived at `now`; `busy`: others were queued or computing."""
         if self._last:
             gap = now - self._last
             self.interarrival = gap if math.isinf(self.interarrival) else 0.8 * self.interarrival + 0.2 * gap
         self._last = now
+        overlapped = busy or (self.overlap is not None and now - self._inline_end < self.overlap)
+        self._alone = 0 if overlapped else self._alone + 1
+
+    def inlined(self, end: float) -> None:
+        """A request computed on the event loop finished at `end`."""
+        self._inline_end = end
+
+    def alone(self) -> bool:
+        """The last QUIET_ARRIVALS requests, the latest included, came one at a time (always, without an
+        `overlap` gap: the rule is then the configured token count alone)."""
+        return self.overlap is None or self._alone >= QUIET_ARRIVALS
 
     def company_soon(self) -> bool:
         return self.cost is None or self.interarrival < self.cost.fixed

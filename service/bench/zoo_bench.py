@@ -1,9 +1,10 @@
 """`qkv bench --zoo`: how well qkv serves models it did not train, with the batching it tunes itself.
 
 The zoo (service/bench/zoo.py: encoders small to large, a decoder-only model, an MLP with no sequence
-axis, random weights) is written as a repository and served twice, in turn: with the settings tuned
-from each model's measured cost (service/tuning.py), and with the fixed defaults qkv had before
-(`FIXED`). Each cell, a model at a sequence length and a concurrency, is set beside its in-process
+axis, random weights) is written as a repository and served by two servers at once: one with the
+settings tuned from each model's measured cost (service/tuning.py), one with the fixed defaults qkv had
+before (`FIXED`); each cell is measured in slices alternating between the two. Each cell, a model at
+a sequence length and a concurrency, is set beside its in-process
 onnxruntime ceiling from the same run: two single-thread sessions at their best batch size for c32, one
 session's batch-1 latency for c1.
 """
@@ -32,6 +33,7 @@ FIXED = {"inline_max_tokens": 32, "max_queue_delay_ms": 2.0, "token_budget": 819
 LENGTHS = (16, 64, 256)
 CONCURRENCY = (1, 32)
 POOL = 64  # distinct requests per cell, sent round-robin
+SLICES = 4  # each cell's time on a server, in slices alternating between the two servers
 
 
 def _request(name: str, inputs: dict[str, np.ndarray]) -> Any:
@@ -53,31 +55,26 @@ def _maker(model: ZooModel, length: int) -> loadgen.MakeRequest:
     return make
 
 
-def _ceiling(path: Path, model: ZooModel, length: int, seconds: float = 1.0) -> dict[str, float]:
-    """Sequences/s of two single-thread sessions at their best batch (1, 8, 32), and one session's p50
-    seconds for one sequence."""
-    rng = np.random.default_rng(0)
-    sessions = [
-        ort.InferenceSession(str(path), session_options(1), providers=["CPUExecutionProvider"]) for _ in range(2)
-    ]
-    one = feeds(model, 1, length, rng)
-    times = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        sessions[0].run(None, one)
-        times.append(time.perf_counter() - t0)
-    best = 0.0
-    for batch in (1, 8, 32):
-        inputs = feeds(model, batch, length, rng)
-        sessions[0].run(None, inputs)
+class InProcess:
+    """The ceiling: one zoo model's graph on two single-thread onnxruntime sessions, in this process."""
+
+    def __init__(self, path: Path, model: ZooModel, length: int) -> None:
+        self.model, self.length = model, length
+        self.rng = np.random.default_rng(0)
+        self.sessions = [
+            ort.InferenceSession(str(path), session_options(1), providers=["CPUExecutionProvider"]) for _ in range(2)
+        ]
+
+    def throughput(self, batch: int, seconds: float) -> tuple[int, float]:
+        """(sequences, seconds) of both sessions running batches of `batch` for `seconds`."""
+        inputs = feeds(self.model, batch, self.length, self.rng)
+        self.sessions[0].run(None, inputs)
         counts = [0, 0]
         stop = time.perf_counter() + seconds
 
-        def spin(
-            k: int, inputs: dict[str, np.ndarray] = inputs, stop: float = stop, counts: list[int] = counts
-        ) -> None:
+        def spin(k: int) -> None:
             while time.perf_counter() < stop:
-                sessions[k].run(None, inputs)
+                self.sessions[k].run(None, inputs)
                 counts[k] += 1
 
         t0 = time.perf_counter()
@@ -86,35 +83,74 @@ def _ceiling(path: Path, model: ZooModel, length: int, seconds: float = 1.0) -> 
             w.start()
         for w in workers:
             w.join()
-        best = max(best, sum(counts) * batch / (time.perf_counter() - t0))
-    return {"seq_per_s": best, "c1_compute_ms": float(np.median(times)) * 1e3}
+        return sum(counts) * batch, time.perf_counter() - t0
+
+    def latencies(self, seconds: float) -> list[float]:
+        """Seconds of one sequence on one session, back to back for `seconds`."""
+        one = feeds(self.model, 1, self.length, self.rng)
+        self.sessions[0].run(None, one)
+        times: list[float] = []
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            self.sessions[0].run(None, one)
+            times.append(time.perf_counter() - t0)
+        return times
 
 
-def zoo_benchmark(out: Path, seconds: float = 4.0) -> dict[str, Any]:
-    """Every zoo cell: in-process ceiling, served with tuned settings, served with FIXED; writes zoo.json."""
+def _best_batch(ceiling: InProcess, seconds: float = 0.5) -> int:
+    """The batch (1, 8 or 32) at which the in-process sessions reach the most sequences/s."""
+    rates = {b: n / t for b in (1, 8, 32) for n, t in [ceiling.throughput(b, seconds)]}
+    return max(rates, key=lambda b: rates[b])
+
+
+def zoo_benchmark(
+    out: Path, seconds: float = 4.0, models: tuple[ZooModel, ...] = ZOO, lengths: tuple[int, ...] = LENGTHS
+) -> dict[str, Any]:
+    """Every zoo cell: in-process ceiling, served with tuned settings, served with FIXED; writes zoo.json
+    and zoo.md."""
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="qkv-zoo-"))
-    repo = write_zoo(scratch / "zoo")
-    cells = [(m, n) for m in ZOO for n in (LENGTHS if m.sequence else (m.width,))]
+    repo = write_zoo(scratch / "zoo", models)
+    cells = [(m, n) for m in models for n in (lengths if m.sequence else (m.width,))]
     results: dict[str, Any] = {}
-    for m, n in cells:
-        results[f"{m.name} {n}"] = {
-            "model": m.name,
-            "length": n,
-            "ceiling": _ceiling(repo / m.name / "1" / "model.onnx", m, n),
-        }
     servers = Servers(repo, scratch)
     try:
-        for kind, changes in (("tuned", None), ("fixed", {m.name: {"batching": FIXED} for m in ZOO})):
-            s = servers.start(changes)
-            for m, n in cells:
-                for c in CONCURRENCY:
-                    run = run_closed(
-                        s.url, _maker(m, n), c, seconds if c > 1 else seconds / 2, f"{kind} {m.name} {n} c{c}"
-                    )
-                    results[f"{m.name} {n}"][f"{kind} c{c}"] = loadgen.summarise(run)
+        # Both servers up at once, and the in-process ceiling, each cell measured on the three in slices
+        # that alternate: on this kind of machine, speed drifts more in minutes than the settings differ
+        # (BENCHMARKS.md, "Noise"), so each ratio is of figures measured within the same seconds.
+        running = {
+            "tuned": servers.start(None),
+            "fixed": servers.start({m.name: {"batching": FIXED} for m in models}),
+        }
+        for m, n in cells:
+            ceiling = InProcess(repo / m.name / "1" / "model.onnx", m, n)
+            batch = _best_batch(ceiling)
+            sequences, busy, compute = 0, 0.0, []
+            cell: dict[str, Any] = {"model": m.name, "length": n}
+            for c in CONCURRENCY:
+                runs = {kind: loadgen.Run() for kind in running}
+                slice_s = (seconds if c > 1 else seconds / 2) / SLICES
+                for i in range(SLICES):  # ceiling, tuned, fixed, then fixed, tuned, ceiling, ...
+                    for kind in ["ceiling", *running][:: 1 if i % 2 == 0 else -1]:
+                        if kind == "ceiling" and c == 1:
+                            compute += ceiling.latencies(slice_s)
+                        elif kind == "ceiling":
+                            done, took = ceiling.throughput(batch, slice_s)
+                            sequences, busy = sequences + done, busy + took
+                        else:
+                            label = f"{kind} {m.name} {n} c{c}"
+                            runs[kind].add(run_closed(running[kind].url, _maker(m, n), c, slice_s, label))
+                for kind, run in runs.items():
+                    cell[f"{kind} c{c}"] = loadgen.summarise(run)
+            cell["ceiling"] = {
+                "seq_per_s": sequences / busy,
+                "batch": batch,
+                "c1_compute_ms": float(np.median(compute)) * 1e3,
+            }
+            results[f"{m.name} {n}"] = cell
+        for kind, s in running.items():
             results[f"settings {kind}"] = [line for line in s.output().splitlines() if "batching model" in line]
-            servers.stop(s)
     finally:
         servers.close()
     (out / "zoo.json").write_text(json.dumps(results, indent=2, default=float))

@@ -1,6 +1,7 @@
 """Batching settings from a model's measured cost (service/tuning.py), on stand-in models whose cost
-is set: computed inline only when cheap, a partial batch waits only when company is coming, the token
-budget where throughput flattens; config.json's values win; the values in force are shown."""
+is set: computed inline only when cheap and requests come one at a time, a partial batch waits only
+when company is coming, the token budget where throughput flattens; config.json's values win; the
+values in force are shown."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from service import protocol
 from service.admission import WorkItem
 from service.batching import DynamicBatcher
 from service.repository import BatchingConfig
-from service.tuning import CostModel, Pacing, sweep, tune
+from service.tuning import QUIET_ARRIVALS, CostModel, Pacing, sweep, tune
 from tests.conftest import MODELS, start_server, stop_server
 
 # A batch's cost as served (the hand-off included): fixed, per token.
@@ -49,10 +50,10 @@ def _tuned(cost: tuple[float, float], handoff: float, given: frozenset[str] = fr
     return tune(BatchingConfig(), given, points, handoff, CostModel.fit(points))
 
 
-def test_inline_only_when_compute_is_far_below_a_handoff() -> None:
-    cheap = _tuned(CHEAP, handoff=0.0002).config
-    assert cheap.inline_max_tokens == 900  # (0.5 x 200 us - 10 us of compute) / 0.1 us
-    assert _tuned(DEAR, handoff=0.0002).config.inline_max_tokens == 0  # even one token costs more
+def test_inline_only_up_to_a_compute_of_twenty_handoffs() -> None:
+    assert _tuned(CHEAP, handoff=0.0002).config.inline_max_tokens == 39_900  # (20 x 200 us - 10 us) / 0.1 us
+    assert _tuned(DEAR, handoff=0.0002).config.inline_max_tokens == 123  # (4,000 us - 300 us) / 30 us
+    assert _tuned((0.005, 0.00003), handoff=0.0002).config.inline_max_tokens == 0  # a batch's fixed cost alone is more
 
 
 def test_the_token_budget_is_where_throughput_flattens() -> None:
@@ -74,7 +75,7 @@ def test_config_json_values_win_and_say_so() -> None:
     assert tuning.config.token_budget == BatchingConfig().token_budget
     assert tuning.config.max_queue_delay_ms == BatchingConfig().max_queue_delay_ms
     assert tuning.reasons["token_budget"] == tuning.reasons["max_queue_delay_ms"] == "config.json"
-    assert tuning.config.inline_max_tokens == 0 and "hand-off" in tuning.reasons["inline_max_tokens"]
+    assert tuning.config.inline_max_tokens == 123 and "hand-offs" in tuning.reasons["inline_max_tokens"]
     assert "token_budget 8192 (config.json)" in tuning.summary("m")
 
 
@@ -87,6 +88,26 @@ def test_pacing_waits_only_while_requests_come_faster_than_a_batch_costs() -> No
         pacing.arrived(101.0 + k * 0.01)  # every 10 ms
     assert not pacing.company_soon()
     assert Pacing(None).company_soon()  # no cost model (an explicit delay): wait as configured
+
+
+def test_pacing_says_alone_only_after_requests_came_one_at_a_time() -> None:
+    pacing = Pacing(None, overlap=0.0003)
+    now = 100.0
+    for _ in range(QUIET_ARRIVALS - 1):
+        now += 0.01
+        pacing.arrived(now)
+        assert not pacing.alone()  # not yet: QUIET_ARRIVALS in a row first
+    pacing.arrived(now + 0.01)
+    assert pacing.alone()
+    pacing.arrived(now + 0.02, busy=True)  # another request was in the server
+    assert not pacing.alone()
+    for k in range(QUIET_ARRIVALS):
+        pacing.arrived(now + 0.03 + 0.01 * k)
+    assert pacing.alone()
+    pacing.inlined(now + 0.5)
+    pacing.arrived(now + 0.5001)  # 0.1 ms after an inline computation ended: it had waited behind it
+    assert not pacing.alone()
+    assert Pacing(None).alone()  # no overlap gap (inline_max_tokens from config.json): the token rule alone
 
 
 class StandIn:
@@ -125,15 +146,43 @@ def _item(k: int, length: int = 16) -> WorkItem:
 def test_a_cheap_model_runs_on_the_event_loop_and_a_dear_one_on_its_threads() -> None:
     async def run() -> None:
         loop_thread = threading.get_ident()
-        # Whatever a hand-off costs on this machine: free compute goes inline, 2 ms of it never does.
-        for cost, inline in (((0.0, 1e-7), True), ((0.002, 3e-5), False)):
+        # Whatever a hand-off costs on this machine: free compute goes inline, 50 ms of it never does.
+        for cost, inline in (((0.0, 1e-7), True), ((0.05, 0.0), False)):
             model = StandIn(cost)
             b = _batcher(model, cost)
             b.start()
-            for k in range(5):  # one at a time: the server is idle at each
+            for k in range(QUIET_ARRIVALS + 4):  # one at a time: the server is idle at each
                 assert await b.submit(_item(k)) == k
-            assert all((t == loop_thread) is inline for t in model.threads), (cost, b.config)
+                await asyncio.sleep(0.002)
+            # The first few go to the threads: nothing yet says requests come one at a time.
+            assert all(t != loop_thread for t in model.threads[: QUIET_ARRIVALS - 1])
+            assert all((t == loop_thread) is inline for t in model.threads[QUIET_ARRIVALS - 1 :]), (cost, b.config)
             await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_burst_is_batched_on_the_threads_however_cheap_the_model() -> None:
+    """Computing on the event loop while requests overlap would run them one at a time, unbatched."""
+
+    async def run() -> None:
+        loop_thread = threading.get_ident()
+        cheap = (0.0005, 1e-6)
+        model = StandIn(cheap)
+        b = _batcher(model, cheap)
+        assert b.config.inline_max_tokens >= 16
+        b.start()
+        for k in range(QUIET_ARRIVALS + 2):
+            await b.submit(_item(k))
+            await asyncio.sleep(0.002)
+        assert model.threads[-1] == loop_thread  # one at a time: inline
+        model.threads.clear()
+        model.sizes.clear()
+        burst = [asyncio.create_task(b.submit(_item(k))) for k in range(32)]
+        assert [await t for t in burst] == list(range(32))
+        assert model.threads.count(loop_thread) <= 1  # at most the first, before the others were seen
+        assert max(model.sizes) > 1, model.sizes
+        await b.close()
 
     asyncio.run(run())
 

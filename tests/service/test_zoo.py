@@ -126,3 +126,22 @@ def test_the_server_loads_the_zoo(tmp_path: Path) -> None:
                 assert stub.ModelReady(protocol.ModelReadyRequest(name=model.name), timeout=10).ready
     finally:
         stop_server(s)
+
+
+def test_the_zoo_benchmark_measures_each_cell_against_its_ceiling_and_the_fixed_defaults(tmp_path: Path) -> None:
+    """A short `qkv bench --zoo` on the smallest model: every figure the table is made of is measured."""
+    from service.bench.zoo_bench import SLICES, zoo_benchmark
+
+    small = tuple(m for m in ZOO if m.name == "zoo_small")
+    results = zoo_benchmark(tmp_path / "out", seconds=0.8, models=small, lengths=(16,))
+    cell = results["zoo_small 16"]
+    assert cell["ceiling"]["seq_per_s"] > 0 and cell["ceiling"]["batch"] in (1, 8, 32)
+    assert 0 < cell["ceiling"]["c1_compute_ms"] < 50
+    for kind in ("tuned c1", "fixed c1", "tuned c32", "fixed c32"):
+        assert cell[kind]["rps"] > 0 and cell[kind]["codes"] == {"OK": cell[kind]["requests"]}, kind
+    assert cell["tuned c32"]["requests"] >= SLICES  # every slice answered
+    tuned = " ".join(results["settings tuned"])
+    assert "zoo_small" in tuned and "inline_max_tokens" in tuned and "config.json" not in tuned
+    assert "config.json" in " ".join(results["settings fixed"])  # the fixed defaults, given explicitly
+    table = (tmp_path / "out" / "zoo.md").read_text().splitlines()
+    assert len(table) == 3 and table[2].startswith("| zoo_small | 16 |")
