@@ -11,8 +11,9 @@ batches served. With the measured cost of the hand-off alone, it decides what co
   are what a lone request would wait for, and nobody waits behind it. Under concurrent load a request
   computed inline holds up the ones arriving meanwhile, which then find the server idle in turn and run
   one at a time, unbatched: the fixed 32-token rule did that (seq 16, c32: 0.2 of the ceiling);
-- `token_budget`: the padded tokens at which a batch's throughput, its fixed cost included, reaches
-  99 % of what larger batches reach: beyond it they only add latency;
+- `token_budget`: the fewest padded tokens at which a batch's measured throughput (as served, from the
+  sweep) reaches 97 % of the best the sweep measured: larger batches add latency, and past a point
+  they lose throughput too, their activations no longer in the caches;
 - `max_queue_delay_ms`: one batch's fixed cost, the most that waiting for one more request can save; and
   a partial batch waits at all only while requests arrive faster than that (`Pacing`).
 
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 TUNED = ("inline_max_tokens", "token_budget", "max_queue_delay_ms")
-FLAT = 0.99  # the budget: where throughput reaches this share of what larger batches reach
+PEAK_SHARE = 0.97  # the budget: the fewest tokens at which the sweep's throughput reaches this share of its best
 INLINE_HANDOFFS = 20  # computed on the event loop: a request that costs at most this many hand-offs
 QUIET_ARRIVALS = 8  # ... and only after this many requests in a row have come one at a time
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
@@ -167,7 +168,6 @@ def tune(
     """The settings for a model whose sweep gave `points` and whose hand-off costs `handoff` seconds."""
     changes: dict[str, Any] = {}
     reasons: dict[str, str] = {}
-    per_batch = cost.fixed  # what every batch costs beyond its tokens as served, the hand-off included
     if "inline_max_tokens" not in given:
         # computed on the loop, a request costs its served cost less the hand-off
         room = INLINE_HANDOFFS * handoff - (cost.fixed - handoff)
@@ -176,11 +176,15 @@ def tune(
         reasons["inline_max_tokens"] = (
             f"requests computing in at most {INLINE_HANDOFFS} hand-offs, while requests come one at a time"
         )
-    if "token_budget" not in given and cost.per_token > 0:
-        # tokens / (per_batch + per_token x tokens) reaches FLAT of its limit at FLAT / (1 - FLAT) x ...
-        budget = math.ceil(FLAT / (1 - FLAT) * per_batch / cost.per_token)
-        changes["token_budget"] = max(1, min(budget, max(t for t, _ in points) if points else budget))
-        reasons["token_budget"] = f"throughput {FLAT:.0%} of what larger batches reach"
+    if "token_budget" not in given and points:
+        # Measured, not modelled: past a point larger batches get slower per token (their activations
+        # leave the caches), which no fixed + per-token model shows.
+        rates = [(tokens / seconds, tokens) for tokens, seconds in points if seconds > 0]
+        best = max(rate for rate, _ in rates)
+        changes["token_budget"] = min(tokens for rate, tokens in rates if rate >= PEAK_SHARE * best)
+        reasons["token_budget"] = (
+            f"the fewest tokens at which a batch's throughput is {PEAK_SHARE:.0%} of the best measured"
+        )
     if "max_queue_delay_ms" not in given:
         changes["max_queue_delay_ms"] = round(cost.fixed * 1e3, 3)
         reasons["max_queue_delay_ms"] = "one batch's fixed cost, the most one more request saves"
