@@ -176,10 +176,10 @@ def tune(
         reasons["inline_max_tokens"] = (
             f"requests computing in at most {INLINE_HANDOFFS} hand-offs, while requests come one at a time"
         )
-    if "token_budget" not in given and points:
+    rates = [(tokens / seconds, tokens) for tokens, seconds in points if seconds > 0]
+    if "token_budget" not in given and rates:
         # Measured, not modelled: past a point larger batches get slower per token (their activations
         # leave the caches), which no fixed + per-token model shows.
-        rates = [(tokens / seconds, tokens) for tokens, seconds in points if seconds > 0]
         best = max(rate for rate, _ in rates)
         changes["token_budget"] = min(tokens for rate, tokens in rates if rate >= PEAK_SHARE * best)
         reasons["token_budget"] = (
