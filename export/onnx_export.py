@@ -149,8 +149,11 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max()) if a.size else 0.0
 
 
-def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str, Any]:
-    """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`."""
+def parity_check(
+    loaded: Loaded, directory: Path, words: list[str], reference: list[list[int]] | None = None
+) -> dict[str, Any]:
+    """PyTorch vs onnxruntime: logits of a teacher-forced pass, then greedy outputs on `words`
+    (`reference`: PyTorch's, when already decoded)."""
     torch_model: StepModel = TorchStepModel(loaded.model)
     onnx_model: StepModel = OnnxSeq2Seq(directory, session_options(2))
     rng = np.random.default_rng(0)
@@ -175,22 +178,25 @@ def parity_check(loaded: Loaded, directory: Path, words: list[str]) -> dict[str,
                 keys[:, :, :, step], values[:, :, :, step] = out[1], out[2]
                 outs.append(out)
             worst = max(worst, *(_max_diff(x, y) for x, y in zip(*outs, strict=True)))
-    same = _greedy_agreement(torch_model, onnx_model, [loaded.graphemes.encode(w) for w in words])
+    sources = [loaded.graphemes.encode(w) for w in words]
+    expected = reference if reference is not None else greedy_outputs(torch_model, sources)
+    same = _agreeing(expected, greedy_outputs(onnx_model, sources))
     return {"max_abs_diff": worst, "greedy_identical": same, "greedy_words": len(words)}
 
 
-def _greedy_agreement(a: StepModel, b: StepModel, sources: list[list[int]]) -> int:
-    """On how many of `sources` the two models' greedy outputs are the same."""
-    hyps = (greedy_decode(m, sources, MAX_OUTPUT_LENGTH) for m in (a, b))
-    return sum(x.output == y.output for x, y in zip(*hyps, strict=True))
+def greedy_outputs(model: StepModel, sources: list[list[int]]) -> list[list[int]]:
+    return [h.output for h in greedy_decode(model, sources, MAX_OUTPUT_LENGTH)]
 
 
-def rounding_check(loaded: Loaded, rounded: Loaded, words: list[str]) -> dict[str, Any]:
-    """What storing the weights as fp16 changes: greedy outputs of `words` with the full and the rounded
-    weights, both in PyTorch."""
-    sources = [loaded.graphemes.encode(w) for w in words]
-    same = _greedy_agreement(TorchStepModel(loaded.model), TorchStepModel(rounded.model), sources)
-    return {"stored_as": "fp16, computed in fp32", "greedy_identical": same, "greedy_words": len(words)}
+def _agreeing(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def rounding_check(loaded: Loaded, rounded_outputs: list[list[int]], sources: list[list[int]]) -> dict[str, Any]:
+    """What storing the weights as fp16 changes: greedy outputs of `sources` with the full weights (in
+    PyTorch) against `rounded_outputs`, those of the rounded ones."""
+    same = _agreeing(greedy_outputs(TorchStepModel(loaded.model), sources), rounded_outputs)
+    return {"stored_as": "fp16, computed in fp32", "greedy_identical": same, "greedy_words": len(sources)}
 
 
 def write_repository(
@@ -214,10 +220,12 @@ def write_repository(
             store_weights_fp16(path)  # exact: the weights are fp16 values already
         loaded.graphemes.save(staging / GRAPHEMES_FILE)
         loaded.phonemes.save(staging / PHONEMES_FILE)
-        parity = parity_check(rounded, staging, parity_words)
+        sources = [loaded.graphemes.encode(w) for w in parity_words]
+        rounded_outputs = greedy_outputs(TorchStepModel(rounded.model), sources)  # decoded once, used twice
+        parity = parity_check(rounded, staging, parity_words, rounded_outputs)
         if parity["max_abs_diff"] > LOGIT_TOLERANCE or parity["greedy_identical"] != parity["greedy_words"]:
             raise RuntimeError(f"ONNX graphs disagree with PyTorch: {parity}")
-        weights = rounding_check(loaded, rounded, parity_words)
+        weights = rounding_check(loaded, rounded_outputs, sources)
         if weights["greedy_identical"] < MIN_ROUNDING_AGREEMENT * weights["greedy_words"]:
             raise RuntimeError(f"fp16 weights change too many answers: {weights}")
         g2p, enc = repository / "g2p", repository / "g2p_encoder"

@@ -26,10 +26,7 @@ _SUFFIX = "__fp16"
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def _storable(tensor: TensorProto) -> bool:
-    if tensor.data_type != TensorProto.FLOAT or np.prod(tensor.dims) < MIN_ELEMENTS:
-        return False
-    values = numpy_helper.to_array(tensor)
+def _storable(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all() and np.abs(values).max() <= _FP16_MAX)
 
 
@@ -40,10 +37,12 @@ def store_weights_fp16(path: Path) -> int:
     inputs = {i.name for i in graph.input}  # an initializer that is also an input can be overridden: keep it
     casts, kept = [], []
     for tensor in graph.initializer:
-        if tensor.name in inputs or not _storable(tensor):
+        exempt = tensor.data_type != TensorProto.FLOAT or np.prod(tensor.dims) < MIN_ELEMENTS
+        values = None if exempt or tensor.name in inputs else numpy_helper.to_array(tensor)
+        if values is None or not _storable(values):
             kept.append(tensor)
             continue
-        half = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name + _SUFFIX)
+        half = numpy_helper.from_array(values.astype(np.float16), tensor.name + _SUFFIX)
         kept.append(half)
         casts.append(helper.make_node("Cast", [half.name], [tensor.name], to=TensorProto.FLOAT))
     del graph.initializer[:]
