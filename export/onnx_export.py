@@ -34,6 +34,7 @@ from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
 from service.generation import StepModel, greedy_decode, pad_ids
+from service.repository import available_versions, model_cards
 from service.seq2seq import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -313,18 +314,9 @@ def _earlier_runs(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _earlier_cards(model_dir: Path, version: str) -> dict[str, Any]:
-    """The model cards of a model's other versions, by version: the card of its newest one (the
-    config.json's own) and those kept under its "versions"."""
-    path = model_dir / "config.json"
-    if not path.exists():
-        return {}
-    card = json.loads(path.read_text()).get("model_card", {})
-    cards = dict(card.pop("versions", {}))
-    numbered = sorted((int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
-    others = [str(v) for v in numbered if str(v) != version]
-    if others and others[0] not in cards:
-        cards[others[0]] = card
-    return {v: cards[v] for v in others if v in cards}
+    """The model cards of a model's other versions on disk, by version."""
+    on_disk = {str(v) for v in available_versions(model_dir)} if model_dir.is_dir() else set()
+    return {v: card for v, card in model_cards(model_dir).items() if v != version and v in on_disk}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_repository",
+    "model_cards",
     "model_directories",
 ]
 
@@ -223,6 +224,20 @@ def _tensor_declarations(raw: Any, where: str) -> list[dict[str, Any]]:
 def available_versions(model_dir: Path) -> list[int]:
     """The numbered version directories of a model."""
     return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def model_cards(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each version's model card, by version: config.json's own card is the newest version's, and those
+    of the others are kept under its "versions" (as `qkv export --version` writes them)."""
+    path = model_dir / "config.json"
+    if not path.exists():
+        return {}
+    card = json.loads(path.read_text()).get("model_card", {})
+    cards: dict[str, dict[str, Any]] = dict(card.pop("versions", {}))
+    versions = available_versions(model_dir)
+    if versions:
+        cards[str(versions[-1])] = card
+    return cards
 
 
 def load_model(model_dir: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:

@@ -91,10 +91,11 @@ def main(argv: list[str]) -> int:
         print(f"wrote {args.out / 'protocols.json'}")
         return 0
     if args.versions:
-        from service.bench.versions import model_cards, versions, versions_table
+        from service.bench.versions import versions, versions_table
+        from service.repository import model_cards
 
         measured = versions(args.model_repository, args.out, args.seconds)
-        table = versions_table(measured, model_cards(args.model_repository))
+        table = versions_table(measured, model_cards(args.model_repository / "g2p"))
         (args.out / "versions.md").write_text(table + "\n")
         print(table)
         print(f"wrote {args.out / 'versions.json'}, {args.out / 'versions.md'}")

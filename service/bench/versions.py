@@ -90,11 +90,3 @@ def versions_table(r: dict[str, Any], cards: dict[str, dict[str, Any]] | None = 
             f"| {codes} |"
         )
     return "\n".join(rows)
-
-
-def model_cards(models: Path, model: str = "g2p") -> dict[str, dict[str, Any]]:
-    """Each version's model card: the config's own is the newest version's, the others under "versions"."""
-    card = json.loads((models / model / "config.json").read_text()).get("model_card", {})
-    cards = dict(card.pop("versions", {}))
-    newest = str(available_versions(models / model)[-1])
-    return {**cards, newest: card}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service.bench import targets_table
-from service.bench.versions import model_cards
+from service.repository import model_cards
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 
@@ -120,7 +120,7 @@ def test_versions_sets_g2p_version_2_beside_version_1_in_one_run(tmp_path: Path)
             assert list(run["codes"]) == ["OK"] and len(run["rounds"]) == report["rounds"], (v, c, run["codes"])
     assert report["v1 c64"]["over_v1"] == 1.0
     # The table names each version's size and test figures from its own model card.
-    for v, card in model_cards(ROOT / "models").items():
+    for v, card in model_cards(ROOT / "models" / "g2p").items():
         wer, per = card["test"]["wer_stress_free"], card["test"]["per_stress_free"]
         row = f"| {v} | {card['parameters'] / 1e6:.2f} M | {wer:.2%} / {per:.2%} |"
         assert row in done.stdout, (row, done.stdout)
