@@ -197,7 +197,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
 
     def save(path: Path, elapsed_s: float, resumable: bool = True) -> None:
         """`resumable=False`: the weights and what describes them, without the optimiser (a third the size)."""
-        torch.save(
+        save_atomically(
             {
                 "config": config.to_dict(),
                 "train": asdict(c),
@@ -220,9 +220,8 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
                 "graphemes": graphemes.symbols,
                 "phonemes": phonemes.symbols,
             },
-            path.with_suffix(".tmp"),
+            path,
         )
-        path.with_suffix(".tmp").replace(path)  # atomic: a killed run never leaves half a file
 
     model.train()
     last_save = time.monotonic()
@@ -320,6 +319,12 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
     return out / "best.pt"
 
 
+def save_atomically(state: dict[str, Any], path: Path) -> None:
+    """A checkpoint written beside `path`, then renamed over it: a killed run never leaves half a file."""
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+
+
 def write_average(paths: list[Path], path: Path, lexicon: data.Lexicon, dev_words: list[str]) -> None:
     """The mean of the kept epochs' weights as a checkpoint of its own, with its dev figures."""
     from export.checkpoint import average_checkpoints
@@ -328,8 +333,7 @@ def write_average(paths: list[Path], path: Path, lexicon: data.Lexicon, dev_word
     result: dict[str, Any] = {**dev_wer(averaged.model, lexicon, dev_words, averaged.graphemes, averaged.phonemes)}
     result.update(averaged=[p.name for p in paths], step=averaged.state["step"])
     state = {**averaged.state, "model": averaged.model.state_dict(), "dev": result}
-    torch.save(state, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
+    save_atomically(state, path)
     with (path.parent / "history.jsonl").open("a") as f:
         f.write(json.dumps(result) + "\n")
     print(f"{path}: mean of {len(paths)} epochs, dev WER {result['wer']:.3f} "
