@@ -3,10 +3,10 @@
 The zoo (service/bench/zoo.py: encoders small to large, a decoder-only model, an MLP with no sequence
 axis, random weights) is written as a repository and served by two servers at once: one with the
 settings tuned from each model's measured cost (service/tuning.py), one with the fixed defaults qkv had
-before (`FIXED`); each cell is measured in slices alternating between the two. Each cell, a model at
-a sequence length and a concurrency, is set beside its in-process
-onnxruntime ceiling from the same run: two single-thread sessions at their best batch size for c32, one
-session's batch-1 latency for c1.
+before (`FIXED`). Each cell, a model at a sequence length and a concurrency, is set beside its
+in-process onnxruntime ceiling: two single-thread sessions at their best batch size for c32, one
+session's batch-1 latency (back to back) for c1. The two servers and the ceiling are measured in
+slices that alternate within each cell, so that every ratio compares figures from the same seconds.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ FIXED = {"inline_max_tokens": 32, "max_queue_delay_ms": 2.0, "token_budget": 819
 LENGTHS = (16, 64, 256)
 CONCURRENCY = (1, 32)
 POOL = 64  # distinct requests per cell, sent round-robin
-SLICES = 4  # each cell's time on a server, in slices alternating between the two servers
+SLICES = 4  # each cell's time on a server, in slices alternating between the servers and the ceiling
 
 
 def _request(name: str, inputs: dict[str, np.ndarray]) -> Any:
