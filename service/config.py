@@ -69,15 +69,29 @@ class ServerSettings:
     trace_sample_ratio: float = _setting(
         -1.0, "share of requests traced when the caller did not decide (turns tracing on; -1: OTEL_TRACES_SAMPLER's)"
     )
+    tracing_exporter: str = _setting(
+        "otlp",
+        "where spans go: otlp (a collector, as the OTEL_* variables say) or console (one JSON line a span on stdout; "
+        "turns tracing on)",
+        choices=("otlp", "console"),
+    )
+    tracing_file: Path | None = _setting(None, "write spans to this file, one JSON line a span (turns tracing on)")
 
     def __post_init__(self) -> None:
         if self.trace_sample_ratio > 1 or (self.trace_sample_ratio < 0 and self.trace_sample_ratio != -1):
             raise SystemExit(f"qkv: --trace-sample-ratio {self.trace_sample_ratio:g}: give a share in [0, 1]")
+        if self.tracing_file is not None and self.tracing_exporter != "otlp":
+            raise SystemExit(f"qkv: --tracing-file and --tracing-exporter {self.tracing_exporter}: give one of them")
 
     @property
     def traced(self) -> bool:
-        """Whether requests are traced: --tracing, or a sampling ratio given."""
-        return self.tracing or self.trace_sample_ratio >= 0
+        """Whether requests are traced: --tracing, a sampling ratio given, or spans sent anywhere but OTLP."""
+        return (
+            self.tracing
+            or self.trace_sample_ratio >= 0
+            or self.tracing_exporter != "otlp"
+            or self.tracing_file is not None
+        )
 
     def summary(self) -> str:
         secret = {"auth_token_file", "tls_key"}

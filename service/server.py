@@ -74,7 +74,8 @@ def _tracing(settings: ServerSettings) -> Tracing | None:
         return None
     from service.tracing import Tracing
 
-    return Tracing(settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None)
+    ratio = settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None
+    return Tracing(ratio, settings.tracing_exporter, settings.tracing_file)
 
 
 def _parameters(params: Any) -> dict[str, Any]:
@@ -521,7 +522,7 @@ class Server:
         if self._http is not None:
             await self._http.stop()
         await self.registry.close()
-        if self.tracing is not None:  # export what is buffered (bounded by the exporter's timeout)
+        if self.tracing is not None:  # export what is buffered, for tracing.SHUTDOWN_S at most
             await asyncio.to_thread(self.tracing.shutdown)
 
     async def wait(self) -> None:

@@ -1,11 +1,18 @@
 """OpenTelemetry traces of inference requests: where each request's time went, across services.
 
-Imported only when tracing is on (`--tracing`, or `--trace-sample-ratio`): a server without it never
-imports opentelemetry, and its request path pays one `is None` check. The rest of the server sees
-this module through three hooks (service/admission.py): a sampled request's `RequestTrace` rides on
-its WorkItem, and the schedulers open a `BatchSpan` per batch. Exported with the SDK's batch span
-processor over OTLP, configured by the standard variables (OTEL_EXPORTER_OTLP_ENDPOINT,
-OTEL_EXPORTER_OTLP_PROTOCOL grpc or http/protobuf, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*).
+Imported only when tracing is on (`--tracing`, `--trace-sample-ratio`, `--tracing-exporter console`
+or `--tracing-file`): a server without it never imports opentelemetry, and its request path pays one
+`is None` check. The rest of the server sees this module through three hooks (service/admission.py):
+a sampled request's `RequestTrace` rides on its WorkItem, and the schedulers open a `BatchSpan` per
+batch. Exported with the SDK's batch span processor over OTLP, configured by the standard variables
+(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL grpc or http/protobuf, OTEL_SERVICE_NAME,
+OTEL_TRACES_SAMPLER, OTEL_BSP_*), or written one JSON object a span a line, to stdout
+(`--tracing-exporter console`) or a file (`--tracing-file`), to be read without a collector.
+
+An OTLP endpoint that does not answer is said once, in one warning that names it (a connection tried
+at start, or the first export that fails), and not again until an export succeeds: the exporter's own
+lines, one per retry and batch, stay out of the log. Stopping, buffered spans get SHUTDOWN_S to be
+exported, none when the endpoint was not answering; then the exporter is stopped where it stands.
 
 One request's spans (the first continues the caller's W3C `traceparent`):
 
@@ -22,17 +29,24 @@ and then always kept (so no request links to a span that was dropped).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import socket
+import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import (
     Decision,
     ParentBasedTraceIdRatio,
@@ -59,6 +73,18 @@ BATCH = "qkv.batch"
 # fault, not the caller's (a refused or invalid request is the caller's to handle).
 SERVER_ERRORS = {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
 PROTOCOLS = ("grpc", "http/protobuf")
+SHUTDOWN_S = 0.5  # stopping: the most time buffered spans get to be exported
+ABORT_S = 0.1  # of which the last part is for an export cut short (a gRPC call cancelled, a retry's wait woken)
+PROBE_S = 1.0  # the connection tried at start to an OTLP endpoint
+LOCAL_DELAY_MS = 200  # console and file: spans show promptly (the SDK's default is 5 s, to spare a collector)
+# Where the OTLP exporters log a failed export, every retry and batch.
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"  # the batch processor's "Queue full, dropping span."
+
+log = logging.getLogger("qkv.tracing")
 
 
 class _Sampler(Sampler):
@@ -85,19 +111,161 @@ class _Sampler(Sampler):
         return f"qkv({self.requests.get_description()})"
 
 
-def _exporter() -> SpanExporter:
-    """OTLP over gRPC or HTTP, as OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says; the exporter reads the rest."""
+def _otlp() -> tuple[SpanExporter, str, str]:
+    """OTLP over gRPC or HTTP, as OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says; the exporter reads the rest.
+    Returns it, its protocol and the endpoint it sends to."""
     env = os.environ
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    exporter: SpanExporter
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        return GrpcExporter()
-    if protocol == "http/protobuf":
+        exporter = GrpcExporter()
+    elif protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        return HttpExporter()
-    raise SystemExit(f"qkv: OTLP protocol {protocol!r}: qkv exports traces over {' or '.join(PROTOCOLS)}")
+        exporter = HttpExporter()
+    else:
+        raise SystemExit(f"qkv: OTLP protocol {protocol!r}: qkv exports traces over {' or '.join(PROTOCOLS)}")
+    # The endpoint as the exporter resolved it (host:port for gRPC, the URL for HTTP).
+    return exporter, protocol, str(getattr(exporter, "_endpoint", "") or "")
+
+
+def _address(endpoint: str) -> tuple[str, int] | None:
+    """host and port of an OTLP endpoint (`host:port` or a URL); None when it names no port."""
+    url = urlparse(endpoint if "://" in endpoint else f"//{endpoint}")
+    try:
+        port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+    except ValueError:
+        return None
+    return (url.hostname, port) if url.hostname and port else None
+
+
+def _ids(context: SpanContext) -> dict[str, str]:
+    return {"traceId": format(context.trace_id, "032x"), "spanId": format(context.span_id, "016x")}
+
+
+def span_json(span: ReadableSpan) -> dict[str, Any]:
+    """A span as one JSON object: OTLP's field names, ids in hex, attributes as a plain object."""
+    context = span.get_span_context()
+    out: dict[str, Any] = {"name": span.name, **(_ids(context) if context is not None else {})}
+    if span.parent is not None:
+        out["parentSpanId"] = format(span.parent.span_id, "016x")
+    start, end = span.start_time or 0, span.end_time or 0
+    out |= {"kind": span.kind.name, "startTimeUnixNano": start, "endTimeUnixNano": end,
+            "durationMs": round((end - start) / 1e6, 3), "status": span.status.status_code.name}  # fmt: skip
+    if span.status.description:
+        out["statusMessage"] = span.status.description
+    out["attributes"] = {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()}
+    if span.links:
+        out["links"] = [_ids(link.context) for link in span.links]
+    out["service"] = span.resource.attributes.get("service.name", "")
+    return out
+
+
+class JsonLines(SpanExporter):
+    """Spans written one JSON object a line (span_json), each batch flushed as it is written."""
+
+    def __init__(self, out: IO[str], close: bool = False) -> None:
+        self.out, self.close = out, close
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.out.write("".join(json.dumps(span_json(s)) + "\n" for s in spans))
+        self.out.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        if self.close:
+            self.out.close()
+
+
+class _Reported(SpanExporter):
+    """An exporter whose failing is said once: the first failure (or the connection tried at start) logs
+    one warning naming where spans go and how to change it, the exporter's own lines are kept out of the
+    log, and nothing more is said until an export succeeds again."""
+
+    def __init__(self, inner: SpanExporter, where: str, advice: str) -> None:
+        self.inner, self.where, self.advice = inner, where, advice
+        self.lock = threading.Lock()
+        self.failing = False
+        self.stopped = False  # the inner exporter is shut down: what comes is dropped
+        self.last_error = ""  # the exporter's latest own line, said in the warning
+        self.exported = self.dropped = 0
+        self.probe: threading.Thread | None = None  # the connection tried at start, when one is
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.stopped:
+            self.dropped += len(spans)
+            return SpanExportResult.FAILURE
+        try:
+            result = self.inner.export(spans)
+        except Exception as e:  # the processor would log a traceback for each batch
+            self.last_error, result = f"{type(e).__name__}: {e}", SpanExportResult.FAILURE
+        if result == SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+            self.answered()
+        else:
+            self.dropped += len(spans)
+            log.debug("%d spans not exported to %s", len(spans), self.where)
+            if self.probe is not None:  # its word first: "nothing answers there" says more than a retry's error
+                self.probe.join()
+            self.failed(self.last_error or "the export failed")
+        return result
+
+    def failed(self, why: str) -> None:
+        with self.lock:
+            if self.failing or self.stopped:
+                return
+            self.failing = True
+        log.warning("spans cannot go to %s: %s. They are dropped until an export succeeds, and the "
+                    "exporter's errors are not logged meanwhile.%s", self.where, why[:300],
+                    f" {self.advice}" if self.advice else "")  # fmt: skip
+
+    def answered(self) -> None:
+        with self.lock:
+            if not self.failing:
+                return
+            self.failing = False
+        log.info("spans go to %s again", self.where)
+
+    def stop(self) -> None:
+        """Stop the inner exporter where it stands: a retry's wait ends, a gRPC call is cancelled."""
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
+        self.inner.shutdown()
+
+    def shutdown(self) -> None:
+        self.stop()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _Quiet(logging.Filter):
+    """The OTLP exporter's own failure lines (one per retry and batch) -> what the warning quotes; and,
+    while the endpoint is failing, the batch processor's dropped spans (the warning said so)."""
+
+    def __init__(self, reported: _Reported) -> None:
+        super().__init__()
+        self.reported = reported
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == PROCESSOR_LOGGER:
+            return not (self.reported.failing and str(record.msg).startswith("Queue full"))
+        if record.levelno >= logging.WARNING:
+            self.reported.last_error = record.getMessage()
+            return False
+        return True
+
+
+def _probe(reported: _Reported, address: tuple[str, int]) -> None:
+    """One connection to the OTLP endpoint at start (on a thread of its own: start does not wait on it)."""
+    try:
+        socket.create_connection(address, timeout=PROBE_S).close()
+    except OSError as e:
+        reported.failed(f"nothing answers there ({e.strerror or type(e).__name__})")
 
 
 class RequestTrace:
@@ -186,18 +354,48 @@ class JoinCounter:
 
 
 class Tracing:
-    """The server's tracer: request spans in, OTLP out. `ratio`: the share of requests without a sampled
-    caller that are traced (parent-based); None leaves the choice to OTEL_TRACES_SAMPLER."""
+    """The server's tracer: request spans in; out over OTLP (`exporter` "otlp"), to stdout ("console") or
+    to `file`, one JSON object a span a line. `ratio`: the share of requests without a sampled caller
+    that are traced (parent-based); None leaves the choice to OTEL_TRACES_SAMPLER."""
 
-    def __init__(self, ratio: float | None = None, exporter: SpanExporter | None = None) -> None:
+    def __init__(self, ratio: float | None = None, exporter: str = "otlp", file: Path | None = None) -> None:
         sampler = ParentBasedTraceIdRatio(ratio) if ratio is not None else _get_from_env_or_default()
         resource = Resource.create({"service.version": __version__})
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": "qkv"}))
-        self.provider = TracerProvider(sampler=_Sampler(sampler), resource=resource)
-        self.provider.add_span_processor(BatchSpanProcessor(exporter or _exporter()))
+        # Shut down by the server's drain, bounded; never by the SDK's exit hook, which waits on the exporter.
+        self.provider = TracerProvider(sampler=_Sampler(sampler), resource=resource, shutdown_on_exit=False)
+        address: tuple[str, int] | None = None
+        delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else LOCAL_DELAY_MS
+        if file is not None:
+            try:
+                out = file.open("a", encoding="utf-8")
+            except OSError as e:
+                raise SystemExit(f"qkv: --tracing-file {file}: {e.strerror}") from None
+            self.exporter = _Reported(JsonLines(out, close=True), str(file), "")
+            said = f"spans go to {file}, one JSON object a line"
+        elif exporter == "console":
+            self.exporter = _Reported(JsonLines(sys.stdout), "stdout", "")
+            said = "spans go to stdout, one JSON object a line"
+        else:
+            otlp, protocol, endpoint = _otlp()
+            variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                             if os.environ.get(v)), "OTEL_EXPORTER_OTLP_ENDPOINT")  # fmt: skip
+            where = f"the OTLP endpoint {endpoint} ({protocol})"
+            advice = f"Point {variable} at a collector, or see spans without one: --tracing-exporter console"
+            self.exporter = _Reported(otlp, where, advice + " or --tracing-file PATH")
+            said, address, delay = f"spans go to {where}", _address(endpoint), None
+        quiet = _Quiet(self.exporter)  # kept for the process's life: an export left behind stays quiet
+        for name in (*EXPORTER_LOGGERS, PROCESSOR_LOGGER):
+            logging.getLogger(name).addFilter(quiet)
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter, schedule_delay_millis=delay))
         self.tracer = self.provider.get_tracer("qkv", __version__)
         self.propagator = TraceContextTextMapPropagator()
+        log.info("%s; stopping, buffered spans get at most %.1f s to be exported", said, SHUTDOWN_S)
+        if address is not None:
+            probe = threading.Thread(target=_probe, args=(self.exporter, address), name="qkv-otlp-probe", daemon=True)
+            probe.start()
+            self.exporter.probe = probe
 
     def start(self, carrier: Iterable[tuple[str, str]] | Mapping[str, str] | None, method: str) -> RequestTrace | None:
         """A request arrives: its server span, continuing the caller's trace context (gRPC metadata or
@@ -284,5 +482,22 @@ class Tracing:
         span.end(t.ns(t.done if t.done is not None else end))
 
     def shutdown(self) -> None:
-        """Export what is still buffered, then stop."""
-        self.provider.shutdown()
+        """Export what is still buffered, for SHUTDOWN_S at most (not at all to an endpoint that is not
+        answering), then stop the exporter where it stands."""
+        deadline, failing = time.monotonic() + SHUTDOWN_S, self.exporter.failing
+        # On a thread of its own: an export the exporter cannot cut short (an HTTP request in flight)
+        # is left behind, not waited for.
+        closing = threading.Thread(target=self.provider.shutdown, name="qkv-tracing-shutdown", daemon=True)
+        closing.start()
+        if not failing:
+            closing.join(SHUTDOWN_S - ABORT_S)
+        if closing.is_alive():
+            self.exporter.stop()
+            closing.join(max(0.0, deadline - time.monotonic()))
+        waited = (
+            f"was not waited for: {self.exporter.where} was not answering"
+            if failing
+            else f"got {SHUTDOWN_S:.1f} s at most"
+        )
+        log.info("stopped: %d spans exported, %d dropped; the last export %s", self.exporter.exported,
+                 self.exporter.dropped, waited)  # fmt: skip

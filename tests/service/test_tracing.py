@@ -1,7 +1,8 @@
 """Tracing end to end: a real qkv exporting through the real OTLP exporter to a real OTLP receiver.
 
 The receiver (service/bench/collector.py) implements the collector's TraceService from
-opentelemetry-proto; the spans checked are those of requests sent to the server over gRPC.
+opentelemetry-proto; the spans checked are those of requests sent to the server over gRPC. Then
+without a collector: an endpoint where nothing listens, and the spans printed to stdout or a file.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +31,7 @@ from service import protocol
 from service.bench.collector import Collector
 from service.bench.servers import variant
 from service.client import Client, g2p_request, new_traceparent
+from service.config import ServerSettings
 from service.loadgen import encoder_request
 from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
 
@@ -295,3 +299,89 @@ def test_an_http_request_continues_the_callers_trace_as_an_http_server_span(
     assert server.parent_span_id.hex() == caller and server.kind == server.SPAN_KIND_SERVER
     assert a["http.request.method"] == "POST" and a["http.route"] == "/v2/models/{model}/generate"
     assert "rpc.system" not in a and a["qkv.status"] == "OK" and a["qkv.model"] == "g2p"
+
+
+# --- without a collector --------------------------------------------------------------------------------
+
+
+def dead_endpoint() -> str:
+    """An OTLP endpoint where nothing listens: a port bound, then closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_an_endpoint_where_nothing_listens_is_one_warning_and_shutdown_does_not_wait_on_it(tmp_path: Path) -> None:
+    endpoint = dead_endpoint()
+    address = endpoint.removeprefix("http://")
+    # Debug: a line for each batch that was not exported shows the exporter tried, and failed.
+    s = start_server(["--tracing", "--log-level", "debug"], tmp_path / "server.log",
+                     {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **FAST_EXPORT})  # fmt: skip
+    try:
+        with Client(s.url) as c:
+            for word in ("attention", "transformer", "tracing"):
+                c.g2p([word])
+        wait_for(lambda: "spans not exported to the OTLP endpoint" in s.output())
+    finally:
+        code = stop_server(s, timeout=30)  # a safety net: the decision is asserted from the log below
+    assert code == 0
+    log = s.output()
+    problems = [line for line in log.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) ", line)]
+    assert len(problems) == 1, problems
+    [warning] = problems
+    assert f"the OTLP endpoint {address} (grpc)" in warning and "nothing answers there" in warning
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in warning and "--tracing-exporter console" in warning
+    assert "Failed to export" not in log and "Transient error" not in log
+    # Stopping: the flush is bounded, and an endpoint that is not answering is not waited for at all.
+    bound = re.search(r"tracing: .*buffered spans get at most ([\d.]+) s to be exported", log)
+    assert bound is not None and float(bound.group(1)) <= 0.5
+    stopped = re.search(r"tracing: stopped: 0 spans exported, (\d+) dropped; the last export (.*)", log)
+    assert stopped is not None and int(stopped.group(1)) >= 1  # the batch seen not exported above, at least
+    assert stopped.group(2) == f"was not waited for: the OTLP endpoint {address} (grpc) was not answering"
+
+
+def spans_in(text: str) -> list[dict[str, Any]]:
+    """The JSON span lines among `text`'s lines."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith('{"name": ')]
+
+
+@pytest.mark.parametrize("where", ["console", "file"])
+def test_the_spans_of_one_qkv_infer_request_are_printed_without_a_collector(where: str, tmp_path: Path) -> None:
+    file = tmp_path / "spans.jsonl"
+    args = ["--tracing-exporter", "console"] if where == "console" else ["--tracing-file", str(file)]
+    s = start_server(args, tmp_path / "server.log")  # no OTEL_* variable: the export is local
+    read = s.output if where == "console" else lambda: file.read_text() if file.exists() else ""
+    try:
+        out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", s.url, "attention"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
+        assert out.returncode == 0 and out.stdout == "attention\tAH0 T EH1 N SH AH0 N\n", out.stderr
+        trace_id = out.stderr.strip().removeprefix("trace ")
+        spans = wait_for(lambda: len(found := [x for x in spans_in(read()) if x["traceId"] == trace_id]) == 4 and found)
+        [server] = [x for x in spans if x["name"] == SERVER_SPAN]
+        kids = {x["name"]: x for x in spans if x is not server}
+        assert set(kids) == {"qkv.admission", "qkv.queue", "qkv.decode"}
+        assert all(x["parentSpanId"] == server["spanId"] for x in kids.values())
+        assert server["kind"] == "SERVER" and server["status"] == "UNSET" and server["service"] == "qkv"
+        a = server["attributes"]
+        assert a["qkv.model"] == "g2p" and a["qkv.status"] == "OK" and a["rpc.method"] == "ModelInfer"
+        assert server["endTimeUnixNano"] >= server["startTimeUnixNano"] > 0
+        # The batch its word joined: a trace of its own, linked to the request.
+        [link] = kids["qkv.decode"]["links"]
+        batch = wait_for(lambda: [x for x in spans_in(read()) if x["spanId"] == link["spanId"]])[0]
+        assert batch["name"] == "qkv.batch" and batch["attributes"]["qkv.model"] == "g2p"
+        assert {"traceId": trace_id, "spanId": server["spanId"]} in batch["links"]
+    finally:
+        assert stop_server(s) == 0
+    log = s.output()
+    assert f"tracing: spans go to {'stdout' if where == 'console' else file}, one JSON object a line" in log
+    assert " WARNING " not in log and " ERROR " not in log
+    if where == "file":  # every line one span, nothing else
+        assert all(line.startswith('{"name": ') for line in file.read_text().splitlines())
+
+
+def test_spans_go_to_one_place() -> None:
+    with pytest.raises(SystemExit, match="give one of them"):
+        ServerSettings(tracing_exporter="console", tracing_file=Path("spans.jsonl"))
+    assert ServerSettings(tracing_file=Path("spans.jsonl")).traced and ServerSettings(tracing_exporter="console").traced
+    assert not ServerSettings().traced
