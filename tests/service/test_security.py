@@ -5,10 +5,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -337,9 +339,11 @@ def test_oversized_message_is_refused_by_grpc_and_metrics_bind_their_own_address
 # --- start-up errors -------------------------------------------------------------------------------
 
 
-def serve_exit(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model-repository", str(MODELS), "--host", "127.0.0.1",
-           "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", *map(str, args)]  # fmt: skip
+def serve_exit(*args: str | Path, user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`qkv serve ARGS`, run to its exit (`user`: a command prefix that runs it as another user)."""
+    cmd = [*(user or []), sys.executable, "-m", "service.cli", "serve", "--model-repository", str(MODELS),
+           "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0",
+           *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
@@ -391,15 +395,24 @@ def test_bad_tls_and_token_files_stop_the_start_with_a_clear_message(pki: Pki, t
         assert "serving" not in done.stdout, case
 
 
-def test_an_unreadable_certificate_stops_the_start(pki: Pki, tmp_path: Path) -> None:
-    locked = tmp_path / "locked.pem"
-    locked.write_bytes(pki.server_cert.read_bytes())
-    locked.chmod(0)
-    if os.access(locked, os.R_OK):  # root reads anything: nothing to check then
-        pytest.skip("running as root: an unreadable file cannot be made")
-    done = serve_exit("--tls-cert", locked, "--tls-key", pki.server_key)
+def test_an_unreadable_certificate_stops_the_start(pki: Pki) -> None:
+    """Root reads any file, so as root the server is run as `nobody` (setpriv), to whom the certificate is
+    unreadable and everything else it needs is not."""
+    user: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "running as root: setpriv (util-linux) runs the server as another user"
+        user = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        locked, key = Path(d) / "locked.pem", Path(d) / "server.key"
+        locked.write_bytes(pki.server_cert.read_bytes())
+        key.write_bytes(pki.server_key.read_bytes())
+        locked.chmod(0)
+        key.chmod(0o644)
+        done = serve_exit("--tls-cert", locked, "--tls-key", key, user=user)
     assert done.returncode != 0
-    assert f"cannot read TLS certificate {locked}: Permission denied" in done.stderr
+    assert f"cannot read TLS certificate {locked}: Permission denied" in done.stderr, done.stderr
 
 
 def test_a_port_in_use_stops_the_start(tmp_path: Path) -> None:
