@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,23 @@ MODELS = ROOT / "models"
 RunningServer = ServerProcess
 
 __all__ = ["MODELS", "ROOT", "RunningServer", "scale_model", "start_server", "stop_server"]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its figures to the controller, which prints the summary."""
+    from tests.figures import FIGURES
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["figures"] = json.dumps(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """On the controller: a worker's figures join the run's."""
+    from tests.figures import FIGURES
+
+    for section, figures in json.loads(getattr(node, "workeroutput", {}).get("figures", "{}")).items():
+        FIGURES.setdefault(section, {}).update(figures)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
