@@ -94,9 +94,12 @@ class CostModel:
         my = sum(wi * y for wi, (_, y) in zip(w, points, strict=True)) / sw
         var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points, strict=True))
         cov = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points, strict=True))
-        slope = cov / var if var > 0 else 0.0
-        if slope <= 0:  # one size only, or noise: all of the time is per token
+        if var <= 0:  # one size only: nothing tells fixed from per-token time, so all of it is per token
             self.per_token, self.fixed = (my / mx if mx > 0 else 0.0), 0.0
+            return
+        slope = cov / var
+        if slope <= 0:  # no growth with tokens across sizes: the fit with slope >= 0 is a fixed cost, the mean
+            self.per_token, self.fixed = 0.0, my
             return
         self.per_token = slope
         self.fixed = max(0.0, my - slope * mx)
@@ -171,7 +174,12 @@ def tune(
     if "inline_max_tokens" not in given:
         # computed on the loop, a request costs its served cost less the hand-off
         room = INLINE_HANDOFFS * handoff - (cost.fixed - handoff)
-        tokens = int(room / cost.per_token) if room > 0 and cost.per_token > 0 else 0
+        if room <= 0:
+            tokens = 0
+        elif cost.per_token > 0:
+            tokens = int(room / cost.per_token)
+        else:  # a cost that does not grow with tokens: every size the sweep measured fits
+            tokens = max((t for t, _ in points), default=0)
         changes["inline_max_tokens"] = tokens
         reasons["inline_max_tokens"] = (
             f"requests computing in at most {INLINE_HANDOFFS} hand-offs, while requests come one at a time"
