@@ -309,11 +309,20 @@ def _classify(records: list[list[Any]]) -> Counter[str]:
     return out
 
 
+def _until_served(stack: Stack, container: str, requests: int, timeout: float) -> None:
+    """Wait until `container` has answered `requests` more g2p requests than now: a load client is sending.
+    Its callers run the client at least 5 s longer than `timeout`: whatever the machine's speed, it is still
+    sending after."""
+    before = _served(stack, container)
+    what = f"{requests} g2p requests answered by the load client"
+    _until(what, lambda: _served(stack, container) - before >= requests, timeout=timeout)
+
+
 def test_compose_stop_under_load_answers_or_refuses_every_request(stack: Stack) -> None:
     stack.ensure_up()
     [qkv] = stack.containers("qkv")
-    client = stack.start_load("--target", "qkv:8001", "--seconds", "14", "--threads", "4")
-    time.sleep(4)
+    client = stack.start_load("--target", "qkv:8001", "--seconds", "20", "--threads", "4")
+    _until_served(stack, qkv, 100, timeout=15)  # then stopped while the client sends: draining refuses some
     stop_at = time.time()
     stack.compose("stop", "qkv")
     stop_seconds = time.time() - stop_at
@@ -327,7 +336,7 @@ def test_compose_stop_under_load_answers_or_refuses_every_request(stack: Stack) 
     )
     assert outcomes["lost"] == 0, outcomes
     assert all(r[2] == "OK" or DRAINING in r[3] for r in in_flight), in_flight
-    assert outcomes["answered"] > 100 and outcomes["refused"] > 0, outcomes
+    assert outcomes["answered"] >= 100 and outcomes["refused"] > 0, outcomes
     state = stack.inspect(qkv)["State"]
     assert state["ExitCode"] == 0 and not state["OOMKilled"], state
     grace = float(load_yaml(COMPOSE)["services"]["qkv"]["stop_grace_period"].rstrip("s"))
@@ -354,7 +363,7 @@ def test_a_crashed_server_comes_back_and_retrying_clients_lose_nothing(stack: St
     [qkv] = stack.containers("qkv")
     restarts = stack.inspect(qkv)["RestartCount"]
     client = stack.start_load("--target", "qkv:8001", "--seconds", "14", "--threads", "4", "--retry")
-    time.sleep(4)
+    _until_served(stack, qkv, 100, timeout=9)  # then crashed while the client sends
     crashed_at = time.monotonic()
     _crash(stack, qkv)
     _until("the engine restarting qkv", lambda: stack.inspect(qkv)["RestartCount"] > restarts, timeout=30)
@@ -367,7 +376,7 @@ def test_a_crashed_server_comes_back_and_retrying_clients_lose_nothing(stack: St
         f"healthy again {back:.1f} s after the kill"
     )
     assert codes == {"OK": len(records)}, codes
-    assert len(records) > 100
+    assert len(records) >= 100
 
 
 def _served(stack: Stack, container: str) -> float:

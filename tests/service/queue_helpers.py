@@ -27,10 +27,12 @@ class Recorder:
         self.drops.append(reason)
 
 
-async def until(condition: Any, timeout: float = 5.0) -> None:
+async def until(condition: Any, what: str = "the condition", timeout: float = 60.0) -> None:
+    """Poll `condition` on the event loop until it holds. The deadline is generous, far beyond what a loaded
+    machine needs: it only bounds a test whose condition never comes, and says which."""
     end = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < end, "condition not reached"
+        assert time.monotonic() < end, f"not within {timeout:g} s: {what}"
         await asyncio.sleep(0.001)
 
 

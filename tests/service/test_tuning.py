@@ -27,6 +27,9 @@ from tests.conftest import MODELS, start_server, stop_server
 # A batch's cost as served (the hand-off included): fixed, per token.
 CHEAP = (0.00021, 0.0000001)  # a 200 us hand-off + 10 us, + 0.1 us a token
 DEAR = (0.0005, 0.00003)  # 500 us + 30 us a token
+# The hand-off the batchers below are tuned with, in place of this machine's (which load stretches): the
+# settings then follow from the stand-ins' set costs alone.
+HANDOFF = 0.0002
 
 
 def test_the_cost_model_recovers_a_batch_cost_from_measurements() -> None:
@@ -36,6 +39,22 @@ def test_the_cost_model_recovers_a_batch_cost_from_measurements() -> None:
     for _ in range(32):  # the machine slows down: served batches refit the model
         cost.observe(1000, 2 * (fixed + per_token * 1000))
     assert cost.predict(1000) > 1.5 * (fixed + per_token * 1000)
+
+
+def test_a_cost_that_does_not_grow_with_tokens_is_a_fixed_cost() -> None:
+    flat = [(t, 0.05) for t in (16, 32, 64, 128, 256)]
+    cost = CostModel.fit(flat)
+    assert cost.per_token == 0 and math.isclose(cost.fixed, 0.05, rel_tol=1e-9)
+    falling = CostModel.fit([(16, 0.0052), (64, 0.0051), (256, 0.0050)])  # noise, slightly falling
+    assert falling.per_token == 0 and 0.0050 <= falling.fixed <= 0.0052
+    one_size = CostModel.fit([(64, 0.0064)] * 3)  # nothing tells fixed from per-token time: all per token
+    assert one_size.fixed == 0 and math.isclose(one_size.per_token, 0.0001, rel_tol=1e-9)
+    # Inline: a fixed cost of 50 ms is never 20 hand-offs of 0.2 ms, whatever the request's size; a fixed cost
+    # of 1 ms is, at every size the sweep measured.
+    assert tune(BatchingConfig(), frozenset(), flat, 0.0002, cost).config.inline_max_tokens == 0
+    assert _tuned((0.05, 0.0), handoff=0.0002).config.inline_max_tokens == 0
+    assert _tuned((0.001, 0.0), handoff=0.0002).config.inline_max_tokens == 4096  # the largest measured
+    assert _tuned((0.05, 0.0), handoff=0.0002).config.max_queue_delay_ms == pytest.approx(50)
 
 
 def test_the_sweep_stops_once_a_batch_is_slow() -> None:
@@ -136,10 +155,11 @@ class StandIn:
 
 
 def _batcher(model: StandIn, cost: tuple[float, float]) -> DynamicBatcher:
+    """A batcher tuned as a server tunes one, from a sweep of the stand-in's set cost and a set hand-off."""
     b = DynamicBatcher("m", BatchingConfig(), model, instances=2)
     points = sweep(lambda rows: cost[0] + cost[1] * rows * 16, 16, 64)
     fitted = CostModel.fit(points)
-    b.use(tune(b.config, frozenset(), points, b.handoff_seconds(), fitted), fitted)
+    b.use(tune(b.config, frozenset(), points, HANDOFF, fitted), fitted)
     return b
 
 
@@ -150,12 +170,15 @@ def _item(k: int, length: int = 16) -> WorkItem:
 def test_a_cheap_model_runs_on_the_event_loop_and_a_dear_one_on_its_threads() -> None:
     async def run() -> None:
         loop_thread = threading.get_ident()
-        # Whatever a hand-off costs on this machine: free compute goes inline, 50 ms of it never does.
+        # Free compute goes inline; 50 ms of it, the same at every batch size, never does.
         for cost, inline in (((0.0, 1e-7), True), ((0.05, 0.0), False)):
             model = StandIn(cost)
             b = _batcher(model, cost)
+            assert (b.config.inline_max_tokens >= 16) is inline, (cost, b.config)
             b.start()
-            for k in range(QUIET_ARRIVALS + 4):  # one at a time: the server is idle at each
+            # One at a time: the server is idle at each, and each arrives more than the overlap gap (three
+            # hand-offs, 0.6 ms) after the previous one ended; a loaded machine only stretches the pause.
+            for k in range(QUIET_ARRIVALS + 4):
                 assert await b.submit(_item(k)) == k
                 await asyncio.sleep(0.002)
             # The first few go to the threads: nothing yet says requests come one at a time.
@@ -174,7 +197,7 @@ def test_a_burst_is_batched_on_the_threads_however_cheap_the_model() -> None:
         cheap = (0.0005, 1e-6)
         model = StandIn(cheap)
         b = _batcher(model, cheap)
-        assert b.config.inline_max_tokens >= 16
+        assert abs(b.config.inline_max_tokens - 3700) <= 1  # (21 x 0.2 ms - 0.5 ms) / 1 us, rounded down
         b.start()
         for k in range(QUIET_ARRIVALS + 2):
             await b.submit(_item(k))
@@ -182,6 +205,8 @@ def test_a_burst_is_batched_on_the_threads_however_cheap_the_model() -> None:
         assert model.threads[-1] == loop_thread  # one at a time: inline
         model.threads.clear()
         model.sizes.clear()
+        # All 32 arrive (WorkItem.arrived) before the first is computed: each after the first finds it
+        # computing or just ended, whatever the machine's speed.
         burst = [asyncio.create_task(b.submit(_item(k))) for k in range(32)]
         assert [await t for t in burst] == list(range(32))
         assert model.threads.count(loop_thread) <= 1  # at most the first, before the others were seen
@@ -193,20 +218,26 @@ def test_a_burst_is_batched_on_the_threads_however_cheap_the_model() -> None:
 
 def test_a_partial_batch_waits_for_company_only_when_it_is_coming() -> None:
     async def run() -> None:
-        dear = (0.02, 0.00001)  # a 20 ms fixed cost: worth waiting for requests a millisecond or so apart
-        for gap, batched in ((0.001, True), (0.05, False)):
-            model = StandIn(dear)
-            b = _batcher(model, dear)
+        # Requests 1 ms apart for a batch of 100 ms fixed cost: company is coming, even were each pause 50
+        # times longer on a loaded machine. Requests 50 ms apart for one of 5 ms: it is not, and a pause only
+        # ever lasts longer. (A stand-in's cost is spent by the clock, so load does not stretch it.)
+        for cost, gap, batched in (((0.1, 0.00001), 0.001, True), ((0.005, 0.00001), 0.05, False)):
+            model = StandIn(cost)
+            b = _batcher(model, cost)
+            assert b.config.inline_max_tokens == 0, b.config  # none computes on the event loop
             b.start()
             tasks = []
             for k in range(16):
                 tasks.append(asyncio.create_task(b.submit(_item(k))))
                 await asyncio.sleep(gap)
             assert [await t for t in tasks] == list(range(16))
-            rows = sum(model.sizes) / len(model.sizes)
-            assert (rows > 1.5) is batched, (gap, model.sizes)
-            if not batched:  # requests 50 ms apart never wait: each went as it came
-                assert max(model.sizes) == 1
+            assert b.pacing.company_soon() is batched, (gap, b.pacing.interarrival)
+            assert model.sizes[0] == 1, model.sizes  # the first found the server idle and went at once
+            if batched:
+                # The second found an instance computing and the other idle: it waited for the ones after it.
+                assert model.sizes[1] > 1 and sum(model.sizes) / len(model.sizes) > 1.5, model.sizes
+            else:  # requests 50 ms apart never wait: each went as it came
+                assert max(model.sizes) == 1, model.sizes
             await b.close()
 
     asyncio.run(run())
