@@ -112,9 +112,11 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_never_computed() -> Non
         b.start()
         first = asyncio.create_task(b.submit(_item(1)))
         await until(lambda: model.instances, "the first batch computing")  # the only instance is now busy
-        late = asyncio.create_task(b.submit(_item(2, deadline=time.monotonic() + 0.05)))
+        deadline = time.monotonic() + 0.5  # long enough to be queued first, however slow the machine
+        late = asyncio.create_task(b.submit(_item(2, deadline=deadline)))
         kept = asyncio.create_task(b.submit(_item(3)))
-        await asyncio.sleep(0.1)  # past the deadline, still queued
+        await until(lambda: len(b.queue) == 2, "both requests queued")
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.01)  # past the deadline, still queued
         model.gate.set()
         assert await first == 2 and await kept == 6
         with pytest.raises(DeadlineExceeded, match="deadline passed while it was queued"):
@@ -242,6 +244,32 @@ def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     stop_server(s)
 
 
+@pytest.fixture(scope="module")
+def held_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """Like `quiet_server`, for the tests that hold its one instance with a blocker. Its compute threads keep
+    their priority (`--compute-nice 0`): a niced thread gets a few per cent of a core while other processes
+    keep the cores busy, and the blocker would then take minutes instead of seconds."""
+    scratch = tmp_path_factory.mktemp("held")
+    one = {"instances": 1, "batching": {"max_queue_wait_ms": 60_000, "max_queue_tokens": 65536}}
+    models = variant(MODELS, scratch / "models", {"g2p_encoder": one})
+    s = start_server(["--model-repository", str(models), "--compute-nice", "0"], scratch / "server.log")
+    yield s
+    stop_server(s)
+
+
+async def until_computing(server: RunningServer, first: Any) -> None:
+    """Until the blocker `first` is the one request in g2p_encoder and none is queued: it is computing."""
+    series = 'qkv_inflight_requests{model="g2p_encoder",version="1"}'
+    end = time.monotonic() + 60
+    while True:
+        metrics = scrape(server.metrics_url)
+        if metrics.get(series, 0) == 1 and metrics.get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0) == 0:
+            return
+        assert not first.done(), "the blocker was answered before it was seen computing"
+        assert time.monotonic() < end, "the blocker never started computing (60 s)"
+        await asyncio.sleep(0.02)
+
+
 def _blocker(rows: int, rng: np.random.Generator) -> Any:
     """`rows` x 512 tokens in one request: seconds of work that holds the instance computing it."""
     request = encoder_request(512, VOCAB, rng)
@@ -292,30 +320,30 @@ def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server:
     assert executions < 64, "the requests were batched (and padded) together"
 
 
-def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningServer) -> None:
+def test_an_expired_or_cancelled_request_is_not_computed(held_server: RunningServer) -> None:
     rng = np.random.default_rng(5)
     blocker = _blocker(64, rng)  # about four seconds on the one instance
     small = encoder_request(16, VOCAB, rng)
 
     async def until_queued(n: float) -> None:
         end = time.monotonic() + 30
-        while _queued(quiet_server) != n:
+        while _queued(held_server) != n:
             assert time.monotonic() < end, f"the queue never held {n} requests"
             await asyncio.sleep(0.02)
 
     async def run() -> tuple[list[Any], grpc.StatusCode, bool]:
         big = [("grpc.max_receive_message_length", 64 << 20)]  # the blocker's answer is 24 MB
-        async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
+        async with grpc.aio.insecure_channel(held_server.url, options=big) as channel:
             stub = protocol.Stub(channel)
             first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
-            await asyncio.sleep(0.1)  # computing now; nothing else moves until it is done
+            await until_computing(held_server, first)  # nothing else moves until it is done
             rest = [asyncio.ensure_future(stub.ModelInfer(small, timeout=120)) for _ in range(3)]
             await until_queued(3)
             # Long enough to reach the handler on a loaded machine (at 0.2 s, one expired before the
             # server ever saw it), far shorter than the blocker.
             expired = asyncio.ensure_future(stub.ModelInfer(small, timeout=1.0))
             end = time.monotonic() + 30
-            while _queued(quiet_server) != 4 and not expired.done():  # queued, or refused at admission
+            while _queued(held_server) != 4 and not expired.done():  # queued, or refused at admission
                 assert time.monotonic() < end, "the expiring request never reached the server"
                 await asyncio.sleep(0.02)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -328,15 +356,15 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
             assert not first.done(), "the blocker finished early: the queue was not held"
             return await asyncio.gather(first, *rest), refused.value.code(), cancelled.cancelled()
 
-    with grpc.insecure_channel(quiet_server.url) as channel:
+    with grpc.insecure_channel(held_server.url) as channel:
         stub = protocol.Stub(channel)
-        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(quiet_server.metrics_url)
+        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(held_server.metrics_url)
         answered, code, was_cancelled = asyncio.run(run())
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED and was_cancelled
         assert all(len(a.raw_output_contents) == 1 for a in answered)
         # Only the flood's rows were computed: neither the expired nor the cancelled request.
         assert _inference_count(stub, "g2p_encoder") - before == 64 + 3
-    after = scrape(quiet_server.metrics_url)
+    after = scrape(held_server.metrics_url)
 
     def grew(series: str) -> float:
         return after.get(series, 0) - counters_before.get(series, 0)
@@ -349,39 +377,39 @@ def test_an_expired_or_cancelled_request_is_not_computed(quiet_server: RunningSe
     assert grew(dropped % "deadline") + grew(dropped % "cancelled") + refused_at_admission == 2
 
 
-def test_a_cancelled_stream_takes_its_queued_requests_with_it(quiet_server: RunningServer) -> None:
+def test_a_cancelled_stream_takes_its_queued_requests_with_it(held_server: RunningServer) -> None:
     rng = np.random.default_rng(6)
     blocker = _blocker(64, rng)
     small = [encoder_request(16, VOCAB, rng) for _ in range(3)]
 
     async def run() -> bool:
         big = [("grpc.max_receive_message_length", 64 << 20)]
-        async with grpc.aio.insecure_channel(quiet_server.url, options=big) as channel:
+        async with grpc.aio.insecure_channel(held_server.url, options=big) as channel:
             stub = protocol.Stub(channel)
             first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
-            await asyncio.sleep(0.1)  # computing now; nothing else moves until it is done
+            await until_computing(held_server, first)  # nothing else moves until it is done
             stream = stub.ModelStreamInfer(timeout=120)
             for request in small:
                 await stream.write(request)
             end = time.monotonic() + 30
-            while _queued(quiet_server) != 3:
+            while _queued(held_server) != 3:
                 assert time.monotonic() < end, "the stream's requests never queued"
                 await asyncio.sleep(0.02)
             stream.cancel()
-            while _queued(quiet_server) != 0:  # they leave the queue while the blocker still computes
+            while _queued(held_server) != 0:  # they leave the queue while the blocker still computes
                 assert time.monotonic() < end, "the cancelled stream's requests stayed queued"
                 await asyncio.sleep(0.02)
             still_computing = not first.done()
             await first
             return still_computing
 
-    with grpc.insecure_channel(quiet_server.url) as channel:
+    with grpc.insecure_channel(held_server.url) as channel:
         stub = protocol.Stub(channel)
-        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(quiet_server.metrics_url)
+        before, counters_before = _inference_count(stub, "g2p_encoder"), scrape(held_server.metrics_url)
         assert asyncio.run(run()), "the blocker finished early: the queue was not held"
         assert _inference_count(stub, "g2p_encoder") - before == 64  # the blocker's rows, none of the stream's
     dropped = 'qkv_dropped_requests_total{model="g2p_encoder",reason="cancelled",version="1"}'
-    assert scrape(quiet_server.metrics_url).get(dropped, 0) - counters_before.get(dropped, 0) == 3
+    assert scrape(held_server.metrics_url).get(dropped, 0) - counters_before.get(dropped, 0) == 3
 
 
 def _thread_nices(pid: int) -> dict[int, int]:
@@ -457,8 +485,8 @@ def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None
     """Under overload refusing is most of the work: a request is refused before its tensors are
     decoded or checked, with the reason and a retry hint, and the server serves on afterwards."""
     one_queued = {"instances": 1, "batching": {"max_queue_requests": 1, "max_queue_wait_ms": 60_000}}
-    s = start_server(["--model-repository", str(variant(MODELS, tmp_path / "models", {"g2p_encoder": one_queued}))],
-                     tmp_path / "server.log")  # fmt: skip
+    models = variant(MODELS, tmp_path / "models", {"g2p_encoder": one_queued})
+    s = start_server(["--model-repository", str(models), "--compute-nice", "0"], tmp_path / "server.log")
     rng = np.random.default_rng(7)
     blocker = _blocker(32, rng)
     malformed = encoder_request(16, VOCAB, rng)
@@ -469,7 +497,7 @@ def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None
         async with grpc.aio.insecure_channel(s.url, options=big) as channel:
             stub = protocol.Stub(channel)
             first = asyncio.ensure_future(stub.ModelInfer(blocker, timeout=120))
-            await asyncio.sleep(0.1)  # computing: the queue is empty again
+            await until_computing(s, first)  # the queue is empty again
             queued = asyncio.ensure_future(stub.ModelInfer(encoder_request(16, VOCAB, rng), timeout=120))
             end = time.monotonic() + 30
             while scrape(s.metrics_url).get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0) != 1:
@@ -500,8 +528,8 @@ def test_a_fresh_server_holds_a_flood_to_its_queueing_objective(tmp_path: Path) 
     """The warm-up batch at start gives admission a throughput estimate, so the first flood is held
     to max_queue_wait_ms of queued work; without it, all of it would be admitted up to the queue limits."""
     objective = {"instances": 1, "batching": {"max_queue_wait_ms": 25}}
-    s = start_server(["--model-repository", str(variant(MODELS, tmp_path / "models", {"g2p_encoder": objective}))],
-                     tmp_path / "server.log")  # fmt: skip
+    models = variant(MODELS, tmp_path / "models", {"g2p_encoder": objective})
+    s = start_server(["--model-repository", str(models), "--compute-nice", "0"], tmp_path / "server.log")
     rng = np.random.default_rng(8)
     flood = [encoder_request(256, VOCAB, rng) for _ in range(40)]  # 10,240 tokens, well inside the queue limits
 
@@ -510,7 +538,7 @@ def test_a_fresh_server_holds_a_flood_to_its_queueing_objective(tmp_path: Path) 
         async with grpc.aio.insecure_channel(s.url, options=big) as channel:
             stub = protocol.Stub(channel)
             first = asyncio.ensure_future(stub.ModelInfer(_blocker(32, rng), timeout=120))
-            await asyncio.sleep(0.1)  # computing; nothing queued yet and no batch measured under load
+            await until_computing(s, first)  # nothing queued yet and no batch measured under load
 
             async def one(request: Any) -> tuple[str, str]:
                 try:
