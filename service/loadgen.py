@@ -95,11 +95,13 @@ async def closed_loop(
         counter = iter(range(1 << 62))
 
         async def worker() -> None:
-            while time.perf_counter() < stop:
+            while True:  # one request at least: a slice shorter than connecting still measures something
                 request, seq_len, tag = make(next(counter))
                 await _one(stub, request, seq_len, tag, timeout, run)
                 if progress:
                     progress(1)
+                if time.perf_counter() >= stop:
+                    return
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     run.wall, run.client_cpu = time.perf_counter() - t0, own_cpu() - cpu0
