@@ -3,27 +3,52 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q --disable-pip-version-check
+# What gets installed is a lock (requirements/*.txt: every distribution pinned, with its hashes), then the
+# project itself with --no-deps. `make lock` writes the locks from pyproject.toml: docs/design.md, "Dependencies".
+LOCKED := $(PIP) --require-hashes
 
-.PHONY: serve test lint tools train export evaluate bench
+.PHONY: serve test test-loaded lint tools train export evaluate bench lock
 
 serve: $(VENV)/.installed
 	$(BIN)/qkv serve
 
+# One pytest-xdist worker a core, a test file each (module fixtures start once); tests run in a random order
+# (pytest-randomly: the seed is printed; `make test PYTEST_ARGS=--randomly-seed=N` repeats an order).
 test: $(VENV)/.dev tools
-	tests/deploy/docker_engine.sh $(BIN)/python -m pytest
+	tests/deploy/docker_engine.sh $(BIN)/python -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
+
+# The whole suite while stress-ng keeps every core busy: a test that depends on the machine's speed fails here.
+test-loaded:
+	tests/cpu_load.sh $(MAKE) test
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export
 
-$(VENV)/.installed: pyproject.toml
+# `make serve`: the server with the plot and client extras (tritonclient, grpcurl for the README's examples).
+$(VENV)/.installed: pyproject.toml requirements/plot.txt requirements/client.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e '.[plot]'
+	$(LOCKED) -r requirements/plot.txt -r requirements/client.txt
+	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.dev: pyproject.toml
+$(VENV)/.dev: pyproject.toml requirements/dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e '.[dev]'
+	$(LOCKED) -r requirements/dev.txt
+	$(PIP) --no-deps -e .
 	touch $@ $(VENV)/.installed
+
+# Every lock from pyproject.toml (and requirements/cuda.in), keeping the pinned versions that still fit;
+# UPGRADE=1 moves every pin to the newest release allowed, UPGRADE_PACKAGE=numpy only that one.
+# The dev lock is the superset; the others are resolved within it, so two locks never pin one
+# distribution at two versions. The project itself is left out (--unsafe-package): it is installed apart.
+COMPILE = $(BIN)/pip-compile -q --generate-hashes --strip-extras --unsafe-package qkv --no-emit-index-url \
+  --no-emit-find-links $(if $(UPGRADE),--upgrade) $(if $(UPGRADE_PACKAGE),--upgrade-package $(UPGRADE_PACKAGE))
+lock: $(VENV)/.dev
+	$(COMPILE) --extra dev -o requirements/dev.txt pyproject.toml
+	$(COMPILE) -c requirements/dev.txt -o requirements/serve.txt pyproject.toml
+	for extra in plot trace export client; do \
+	  $(COMPILE) -c requirements/dev.txt --extra $$extra -o requirements/$$extra.txt pyproject.toml || exit 1; done
+	$(COMPILE) -c requirements/dev.txt -o requirements/cuda.txt requirements/cuda.in
 
 # From Debian, for the observability and deploy tests: Prometheus (promtool), and a Docker engine with
 # docker-compose and debootstrap (the compose tests build offline stand-ins of the base images).

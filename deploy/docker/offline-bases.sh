@@ -7,9 +7,10 @@
 # Builds, under the exact tags that deploy/docker/Dockerfile and docker-compose.yml name, so
 # that both are used unchanged:
 #   python:<tag>       Debian bookworm (minbase) with Debian's python3, python3-venv, python3-pip,
-#                      and a wheelhouse of the serving dependencies read from pyproject.toml
-#                      (pip inside a container cannot reach the index: PIP_NO_INDEX=1 and
-#                      PIP_FIND_LINKS point at the wheelhouse);
+#                      and a wheelhouse of exactly the wheels locked in requirements/serve.txt
+#                      (hash-checked, as the Dockerfile installs them) plus the build backend
+#                      that pyproject.toml names (pip inside a container cannot reach the index:
+#                      PIP_NO_INDEX=1 and PIP_FIND_LINKS point at the wheelhouse);
 #   prom/prometheus:<tag>  the same rootfs with Debian's prometheus package (2.42; the compose
 #                      file's flags are the same), entrypoint /usr/bin/prometheus, user nobody.
 # Grafana has no stand-in: no Grafana build is reachable from Debian or PyPI.
@@ -34,14 +35,17 @@ prometheus_tag=$(sed -n 's/^ *image: \(prom\/prometheus:[^ ]*\)$/\1/p' "$root/do
 [ -n "$python_tag" ] && [ -n "$prometheus_tag" ] || { log "cannot read the base tags"; exit 1; }
 rootfs_tag=qkv-standin/bookworm:minbase
 
-# The wheelhouse follows pyproject.toml: a changed dependency list rebuilds the Python stand-in.
-requirements=$(python3 - "$root/pyproject.toml" <<'EOF'
+# The wheelhouse follows the serving lock and the build backend: a change to either rebuilds the
+# Python stand-in.
+lock=$root/requirements/serve.txt
+[ -f "$lock" ] || { log "$lock is missing (make lock)"; exit 1; }
+build_requirements=$(python3 - "$root/pyproject.toml" <<'EOF'
 import sys, tomllib
 data = tomllib.load(open(sys.argv[1], "rb"))
-print("\n".join([*data["build-system"]["requires"], "wheel", *data["project"]["dependencies"]]))
+print("\n".join([*data["build-system"]["requires"], "wheel"]))
 EOF
 )
-requirements_sha=$(printf '%s\n' "$requirements" | sha256sum | cut -c1-16)
+requirements_sha=$({ printf '%s\n' "$build_requirements"; cat "$lock"; } | sha256sum | cut -c1-16)
 
 have() { # have TAG [LABEL=VALUE]: the image exists (with that label value) and --force was not given
   [ "$force" = 0 ] || return 1
@@ -76,13 +80,16 @@ if ! have "$rootfs_tag"; then
 fi
 
 if ! have "$python_tag" "org.qkv.standin.requirements=$requirements_sha"; then
-  log "$python_tag: wheelhouse of $(wc -l <<<"$requirements") requirements"
+  log "$python_tag: wheelhouse of requirements/serve.txt and the build backend"
   arch=$(uname -m)
   platforms=()
   for p in manylinux2014 manylinux_2_17 manylinux_2_27 manylinux_2_28 manylinux_2_34; do platforms+=(--platform "${p}_$arch"); done
-  mapfile -t reqs <<<"$requirements"
-  python3 -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 \
-    "${platforms[@]}" -d "$work/python/wheels" "${reqs[@]}" >"$work/pip.log" 2>&1 || { tail -20 "$work/pip.log" >&2; exit 1; }
+  download=(python3 -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311
+    "${platforms[@]}" -d "$work/python/wheels")
+  # The lock carries hashes: pip checks every wheel against them here already.
+  mapfile -t build_reqs <<<"$build_requirements"
+  { "${download[@]}" --require-hashes -r "$lock" && "${download[@]}" "${build_reqs[@]}"; } >"$work/pip.log" 2>&1 ||
+    { tail -20 "$work/pip.log" >&2; exit 1; }
   cat >"$work/python/Dockerfile" <<EOF
 FROM $rootfs_tag
 COPY wheels /opt/wheels

@@ -100,11 +100,19 @@ def test_multi_stage_with_a_slim_final_stage(flavour: str) -> None:
 
 
 @pytest.mark.parametrize("flavour", DOCKERFILES)
-def test_builder_installs_the_serving_package(flavour: str) -> None:
+def test_builder_installs_the_lock_then_the_serving_package(flavour: str) -> None:
+    """The lock (hash-checked) first, in a layer of its own, then the project's wheel without dependencies."""
     builder = parse(DOCKERFILES[flavour])[0]
     runs = " ".join(builder.all("RUN"))
     assert re.search(r"pip wheel --no-deps --wheel-dir /wheels \.", runs), runs
-    assert "/opt/qkv/venv/bin/pip install --no-compile /wheels/*.whl" in runs
+    lock = {"cpu": "requirements/serve.txt", "cuda": "requirements/cuda.txt"}[flavour]
+    assert f"{lock} /opt/qkv/requirements.lock" in builder.all("COPY")
+    locked = runs.index("/opt/qkv/venv/bin/pip install --no-compile --require-hashes -r /opt/qkv/requirements.lock")
+    assert locked < runs.index("/opt/qkv/venv/bin/pip install --no-compile --no-deps /wheels/*.whl")
+    copies = [args for kw, args in builder.instructions if kw == "COPY"]
+    assert copies.index(f"{lock} /opt/qkv/requirements.lock") < copies.index("service/ service/"), (
+        "the lock's layer comes before the sources, so a source change does not reinstall the dependencies"
+    )
     copied = {word for args in builder.all("COPY") for word in args.split()}
     assert {"pyproject.toml", "service/", "export/"} <= copied, copied
 
@@ -136,15 +144,16 @@ def test_models_are_baked_in_and_found_by_default(flavour: str) -> None:
     assert env["PATH"].startswith("/opt/qkv/venv/bin:")
 
 
-def test_cuda_image_swaps_onnxruntime_for_a_pinned_onnxruntime_gpu() -> None:
+def test_cuda_image_installs_a_pinned_onnxruntime_gpu_and_checks_its_provider() -> None:
+    """onnxruntime-gpu comes from requirements/cuda.txt (tests/test_lock.py: pinned, no CPU onnxruntime)."""
     stages = parse(DOCKERFILES["cuda"])
     assert all(s.image.startswith("nvidia/cuda:") and "cudnn-runtime" in s.image for s in stages), stages
     runs = " ".join(stages[0].all("RUN"))
-    uninstall = runs.index("pip uninstall -y onnxruntime ")
-    install = runs.index('pip install --no-compile "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}"')
-    assert uninstall < install
-    args = dict(a.split("=", 1) for a in stages[0].all("ARG") if "=" in a)
-    assert re.fullmatch(r"\d+\.\d+\.\d+", args["ONNXRUNTIME_GPU_VERSION"]), args
+    install = runs.index("pip install --no-compile --require-hashes -r /opt/qkv/requirements.lock")
+    assert install < runs.index("'CUDAExecutionProvider' in o.get_available_providers()")
+    lock = (ROOT / "requirements" / "cuda.txt").read_text(encoding="utf-8")
+    assert re.search(r"^onnxruntime-gpu==\d+\.\d+\.\d+ ", lock, re.MULTILINE)
+    assert not re.search(r"^onnxruntime==", lock, re.MULTILINE)
 
 
 # --- .dockerignore ---------------------------------------------------------------------
@@ -212,6 +221,8 @@ def test_dockerignore_keeps_out(path: str) -> None:
     "path",
     [
         "pyproject.toml",
+        "requirements/serve.txt",
+        "requirements/cuda.txt",
         "README.md",
         "service/cli.py",
         "service/protocol/infer.binpb",
