@@ -2,10 +2,12 @@
 Python (grpc and service.client are there). Threads send one-word g2p requests for a while; the
 script prints one JSON object: every request's start, end, status and message.
 
-    python stack_load.py --target dns:///qkv:8001 --seconds 10 --threads 4 [--retry] [--round-robin]
+    python stack_load.py --target dns:///qkv:8001 --seconds 10 --threads 4 [--retry] [--round-robin] [--until-refused]
 
 Without --retry each request is sent once and recorded as the server answered it; with --retry it
-goes through the shipped client, which retries UNAVAILABLE with backoff within a 30 s deadline.
+goes through the shipped client, which retries UNAVAILABLE with backoff within a 30 s deadline. With
+--until-refused a thread stops at its first UNAVAILABLE, as a client told the server is going away does:
+the server's drain then ends with its clients, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--retry", action="store_true")
     p.add_argument("--round-robin", action="store_true")
+    p.add_argument("--until-refused", action="store_true")
     args = p.parse_args()
 
     client = Client(args.target, timeout=30, load_balancing="round_robin" if args.round_robin else None)
@@ -59,6 +62,8 @@ def main() -> None:
                 if code == "OK" and answers.setdefault(word, phonemes) != phonemes:
                     code, details = "WRONG", f"{word}: {phonemes} after {answers[word]}"
                 records.append([round(start, 4), round(time.time(), 4), code, details])
+            if args.until_refused and code == "UNAVAILABLE":
+                return
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.threads)]
     for t in threads:

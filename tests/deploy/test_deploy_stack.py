@@ -321,8 +321,10 @@ def _until_served(stack: Stack, container: str, requests: int, timeout: float) -
 def test_compose_stop_under_load_answers_or_refuses_every_request(stack: Stack) -> None:
     stack.ensure_up()
     [qkv] = stack.containers("qkv")
-    client = stack.start_load("--target", "qkv:8001", "--seconds", "20", "--threads", "4")
-    _until_served(stack, qkv, 100, timeout=15)  # then stopped while the client sends: draining refuses some
+    # Each thread stops at its first refusal: the drain (which waits for its clients to go quiet, up to the
+    # grace period) then ends with the client, not with the grace period.
+    client = stack.start_load("--target", "qkv:8001", "--seconds", "60", "--threads", "4", "--until-refused")
+    _until_served(stack, qkv, 100, timeout=45)  # then stopped while the client sends: draining refuses some
     stop_at = time.time()
     stack.compose("stop", "qkv")
     stop_seconds = time.time() - stop_at
@@ -362,8 +364,8 @@ def test_a_crashed_server_comes_back_and_retrying_clients_lose_nothing(stack: St
     stack.ensure_up()
     [qkv] = stack.containers("qkv")
     restarts = stack.inspect(qkv)["RestartCount"]
-    client = stack.start_load("--target", "qkv:8001", "--seconds", "14", "--threads", "4", "--retry")
-    _until_served(stack, qkv, 100, timeout=9)  # then crashed while the client sends
+    client = stack.start_load("--target", "qkv:8001", "--seconds", "20", "--threads", "4", "--retry")
+    _until_served(stack, qkv, 100, timeout=15)  # then crashed while the client sends
     crashed_at = time.monotonic()
     _crash(stack, qkv)
     _until("the engine restarting qkv", lambda: stack.inspect(qkv)["RestartCount"] > restarts, timeout=30)
