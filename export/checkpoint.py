@@ -10,10 +10,13 @@ import numpy as np
 import torch
 
 from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
+from service.cli import UsageError, readable_file
 from service.seq2seq import step_arrays
 from service.vocab import Vocabulary
 
-__all__ = ["Loaded", "TorchStepModel", "load_checkpoint"]
+__all__ = ["Loaded", "TorchStepModel", "load_checkpoint", "read_checkpoint"]
+
+SAVED = ("config", "model", "graphemes", "phonemes")  # what every checkpoint of `qkv train` holds
 
 
 @dataclass
@@ -24,9 +27,23 @@ class Loaded:
     state: dict[str, Any]  # the whole checkpoint
 
 
+def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The state saved in `path`; a UsageError naming the file when it is missing, not a file, or not a
+    checkpoint of `qkv train` (a damaged or foreign file)."""
+    readable_file(Path(path), "checkpoint")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # torch reports a damaged file as any of several exceptions (pickle, zip, EOF)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"checkpoint {path} is not a qkv checkpoint: {why}") from e
+    if not isinstance(state, dict) or not all(key in state for key in SAVED):
+        raise UsageError(f"checkpoint {path} is not a qkv checkpoint: it lacks the model or its vocabularies")
+    return state
+
+
 def load_checkpoint(path: Path, max_len: int | None = None) -> Loaded:
     """`max_len` extends the (computed, not learned) positional table, e.g. for longer exports."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_checkpoint(path)
     config = TransformerConfig(**state["config"])
     if max_len:
         config = TransformerConfig(**{**state["config"], "max_len": max_len})

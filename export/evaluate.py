@@ -14,8 +14,9 @@ from typing import Any
 
 from export import data
 from export.scoring import score
+from service.cli import UsageError, in_range
 from service.generation import StepModel, beam_search, greedy_decode
-from service.repository import load_model_config
+from service.repository import RepositoryError, load_model_config
 from service.seq2seq import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
 from service.vocab import Vocabulary
 
@@ -100,11 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--record", action="store_true", help="store the figures in the model card")
     args = parser.parse_args(argv)
+    in_range("--limit", args.limit, 0)
+    in_range("--beam-size", args.beam_size, 1)
+    if args.checkpoint and args.record:
+        raise UsageError("--record writes an exported model's card: give --model-repository, not --checkpoint")
     kwargs = {"split": args.split, "limit": args.limit, "beam_size": args.beam_size}
     if args.checkpoint:
-        result = evaluate_checkpoint(args.checkpoint, **kwargs)
+        result = evaluate_checkpoint(args.checkpoint, **kwargs)  # a missing or damaged file: a UsageError
     else:
-        result = evaluate_repository(args.model_repository / "g2p", **kwargs)
+        g2p = args.model_repository / "g2p"
+        if not g2p.is_dir():
+            raise UsageError(f"model repository {args.model_repository} has no g2p model: {g2p} is not a directory")
+        try:
+            result = evaluate_repository(g2p, **kwargs)
+        except RepositoryError as e:
+            raise UsageError(str(e)) from e
         if args.record:
             record_in_card(args.model_repository, result)
     print(

@@ -33,6 +33,7 @@ from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
+from service.cli import UsageError, in_range, readable_file
 from service.generation import StepModel, greedy_decode, pad_ids
 from service.repository import available_versions, model_cards
 from service.seq2seq import (
@@ -347,14 +348,23 @@ def main(argv: list[str] | None = None) -> int:
         "(default: replace the models with version 1)",
     )
     args = parser.parse_args(argv)
+    # Everything the flags say is checked before the checkpoints load (seconds) and the export runs (minutes).
+    test_words = data.read_split("test")
+    in_range("--parity-words", args.parity_words, 1, len(test_words))
+    in_range("--threads", args.threads, 1)
+    in_range("--beam-size", args.beam_size, 1)
+    if args.version is not None and not args.version.isdigit():
+        raise UsageError(f"--version {args.version}: must be a number")
+    if args.model_repository.exists() and not args.model_repository.is_dir():
+        raise UsageError(f"model repository is not a directory: {args.model_repository}")
+    for path in args.checkpoint:
+        readable_file(path, "checkpoint")
     torch.set_num_threads(args.threads)
     if len(args.checkpoint) > 1:
         loaded = average_checkpoints(args.checkpoint, max_len=MAX_SEQUENCE_LENGTH)
     else:
         loaded = load_checkpoint(args.checkpoint[0], max_len=MAX_SEQUENCE_LENGTH)
-    words = random.Random(0).sample(data.read_split("test"), args.parity_words)
-    if args.version is not None and not args.version.isdigit():
-        parser.error(f"--version {args.version}: a version is a number")
+    words = random.Random(0).sample(test_words, args.parity_words)
     config = write_repository(loaded, args.model_repository, words, version=args.version or "1",
                               beside=args.version is not None, encoder_model=not args.no_encoder_model)  # fmt: skip
     print(f"parity: {config['model_card']['parity']}")

@@ -30,6 +30,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,13 @@ import torch
 from torch import nn
 
 from export import data
-from export.checkpoint import TorchStepModel
+from export.checkpoint import TorchStepModel, read_checkpoint
 from export.model import TransformerConfig, make_model
 from export.scoring import score
+from service.cli import UsageError, in_range, readable_file
 from service.generation import greedy_decode
 
-__all__ = ["TrainConfig", "main", "train"]
+__all__ = ["TrainConfig", "check", "main", "train"]
 
 
 @dataclass
@@ -133,7 +135,11 @@ def dev_wer(
     return score([phonemes.decode(h.output) for h in hyps], [lexicon[w] for w in words])
 
 
-def train(c: TrainConfig, resume: bool = False) -> Path:
+def train(c: TrainConfig, resume: bool = False, clock: Callable[[], float] = time.monotonic) -> Path:
+    """Train as `c` says; returns the checkpoint to use: `best.pt`, or `last.pt` when no dev evaluation
+    has run yet (a run stopped by --steps within its first epoch). `clock` (seconds) times --hours, the
+    cool-down and checkpoints; a test passes a simulated one, so that where a timed run stops does not
+    depend on how fast the machine trains."""
     torch.set_num_threads(c.threads)
     torch.manual_seed(c.seed)
     random.seed(c.seed)
@@ -164,7 +170,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
     model = make_model(config)
     lineage: list[dict[str, Any]] = []  # the runs these weights come from, oldest first (with --init)
     if c.init:
-        start = torch.load(c.init, map_location="cpu", weights_only=False)
+        start = read_checkpoint(Path(c.init))
         model.load_state_dict(start["model"])
         lineage = [*start.get("lineage", []), stage(start)]
     model = model.to(device)
@@ -175,8 +181,10 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
     done_in_epoch, tokens, loss_sum = 0, 0.0, 0.0  # batches of the current epoch already trained on
     history: list[dict[str, float]] = []
     last = out / "last.pt"
+    wrote_best = False  # whether this run (or the one it resumes) wrote best.pt: what it may report
     if resume and last.exists():
-        state = torch.load(last, map_location=device, weights_only=False)
+        state = read_checkpoint(last, map_location=device)
+        wrote_best = (out / "best.pt").exists()
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, epoch, elapsed = state["step"], state["epoch"], state["elapsed_s"]
@@ -224,7 +232,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
         )
 
     model.train()
-    last_save = time.monotonic()
+    last_save = clock()
     pending: list[torch.Tensor] = []  # this epoch's losses (x tokens) not yet added to loss_sum
 
     def settle() -> None:
@@ -239,11 +247,11 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
     while epoch < c.epochs and not out_of_time:
         # Each epoch's order is fixed by the seed and the epoch: a resumed run skips what it has done.
         batches = list(data.token_batches(examples, c.max_tokens, random.Random(c.seed * 1000 + epoch)))
-        t0 = time.monotonic()
+        t0 = clock()
         for i in range(done_in_epoch, len(batches)):
             src, tgt = batches[i]
             src_t, tgt_t = torch.from_numpy(src).to(device), torch.from_numpy(tgt).to(device)
-            lr = learning_rate(step + 1, c, budget - elapsed - (time.monotonic() - t0))
+            lr = learning_rate(step + 1, c, budget - elapsed - (clock() - t0))
             for g in optimizer.param_groups:
                 g["lr"] = lr
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=c.bf16):
@@ -265,7 +273,7 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
             pending.append(loss.detach() * n_tok)
             if i % 20 == 0 or i == len(batches) - 1:
                 settle()
-                spent = time.monotonic() - t0
+                spent = clock() - t0
                 rate = tokens / max(spent, 1e-9)
                 eta = spent / (i + 1) * (len(batches) - i - 1)
                 sys.stdout.write(
@@ -273,20 +281,20 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
                     f"lr {lr:.2e} {rate:,.0f} tok/s ETA {eta / 60:.1f} min   "
                 )
                 sys.stdout.flush()
-            if time.monotonic() - last_save > c.checkpoint_minutes * 60:
+            if clock() - last_save > c.checkpoint_minutes * 60:
                 settle()
-                save(last, elapsed + time.monotonic() - t0)
-                last_save = time.monotonic()
+                save(last, elapsed + clock() - t0)
+                last_save = clock()
             if c.steps and step >= c.steps and done_in_epoch < len(batches):
                 settle()
-                save(last, elapsed + time.monotonic() - t0)
+                save(last, elapsed + clock() - t0)
                 print(f"\nstopped at step {step} (--steps); --resume carries on", flush=True)
-                return out / "best.pt"
-            if elapsed + time.monotonic() - t0 >= budget:
+                return out / "best.pt" if wrote_best else last
+            if elapsed + clock() - t0 >= budget:
                 settle()
                 out_of_time = True  # the budget ends the run mid-epoch; that partial epoch counts as the last
                 break
-        elapsed += time.monotonic() - t0
+        elapsed += clock() - t0
         epoch += 1
         epoch_loss = loss_sum / max(tokens, 1)
         done_in_epoch, tokens, loss_sum = 0, 0.0, 0.0
@@ -309,14 +317,15 @@ def train(c: TrainConfig, resume: bool = False) -> Path:
             if result["wer"] < best or not (out / "best.pt").exists():
                 best = min(best, result["wer"])
                 save(out / "best.pt", elapsed)
+                wrote_best = True
         save(last, elapsed)
-        last_save = time.monotonic()
+        last_save = clock()
         if finished:
             break
     kept = sorted(out.glob("epoch-*.pt"))[-c.keep_epochs :] if c.keep_epochs else []
     if len(kept) > 1:
         write_average(kept, out / "averaged.pt", lexicon, dev_words)
-    return out / "best.pt"
+    return out / "best.pt" if wrote_best else last
 
 
 def save_atomically(state: dict[str, Any], path: Path) -> None:
@@ -340,6 +349,38 @@ def write_average(paths: list[Path], path: Path, lexicon: data.Lexicon, dev_word
           f"({result['wer_stress_free']:.3f} stress-free) PER {result['per']:.3f}", flush=True)  # fmt: skip
 
 
+# Settings that count something a run needs at least one of; every other number must not be negative
+# (0 often means "none" or "no limit"), except the seed.
+AT_LEAST_ONE = {"d_model", "h", "n_encoder", "n_decoder", "d_ff", "max_tokens", "epochs", "threads", "dev_words",
+                "eval_every", "decay_start"}  # fmt: skip
+SHARES = {"dropout", "label_smoothing", "distill_weight"}  # from 0 to 1
+
+
+def check(c: TrainConfig) -> None:
+    """A UsageError naming the first flag whose value cannot train, before any data is read."""
+    for f in fields(TrainConfig):
+        value = getattr(c, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool) or not isinstance(value, int | float) or f.name == "seed":
+            continue
+        in_range(flag, value, 1 if f.name in AT_LEAST_ONE else 0, 1 if f.name in SHARES else None)
+    if c.d_model % c.h:
+        raise UsageError(f"--d-model {c.d_model}: must be a multiple of --h {c.h} (the heads split it evenly)")
+    try:
+        device = torch.device(c.device)
+    except RuntimeError:
+        raise UsageError(f"--device {c.device}: must be cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {c.device}: torch sees no CUDA device here")
+    out = Path(c.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: must be a directory, not a file")
+    if c.init:
+        readable_file(Path(c.init), "--init checkpoint")
+    for teacher in c.teachers.split(",") if c.teachers else []:
+        readable_file(Path(teacher), "--teachers checkpoint")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qkv train", description=__doc__)
     for f in fields(TrainConfig):
@@ -351,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="carry on from OUT/last.pt")
     args = vars(parser.parse_args(argv))
     resume = args.pop("resume")
-    best = train(TrainConfig(**args), resume=resume)
-    print(f"best checkpoint: {best}")
+    config = TrainConfig(**args)
+    check(config)
+    written = train(config, resume=resume)
+    print(f"{written.stem} checkpoint: {written}")
     return 0

@@ -1,17 +1,53 @@
 """`qkv`: one command line for serving, calling and (with the export extra) training.
 
 The training commands import `export` (torch) only when called, so the serving install stays
-torch-free.
+torch-free. Every command refuses what it cannot use (a missing or unreadable file, a flag value out of
+range, a missing optional dependency) with one line on stderr, `qkv COMMAND: what and why`, and exit
+status 2: the commands raise `UsageError`, and `main` prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from service.config import ServerSettings
+
+__all__ = ["UsageError", "in_range", "main", "readable_file"]
+
+
+class UsageError(Exception):
+    """An input a command cannot use, said in one line that names it; `main` prints it and exits 2."""
+
+
+def readable_file(path: Path, what: str) -> Path:
+    """`path` when it is a file this process may read, or a UsageError naming it as `what`."""
+    if not path.exists():
+        raise UsageError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise UsageError(f"{what} is not a file: {path}")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"{what} is not readable: {path}")
+    return path
+
+
+def in_range(flag: str, value: float, lowest: float, highest: float | None = None) -> None:
+    """A UsageError naming `flag` and its value unless lowest <= value (<= highest)."""
+    if value < lowest or (highest is not None and value > highest):
+        allowed = (
+            f"from {_number(lowest)} to {_number(highest)}" if highest is not None else f"{_number(lowest)} or more"
+        )
+        raise UsageError(f"{flag} {_number(value)}: must be {allowed}")
+
+
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
 
 # Optional dependencies -> the extra that brings them (pyproject.toml). A command that meets one missing
 # says so in one line and exits 2, whenever it first imports it.
@@ -36,7 +72,26 @@ def _serve(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="qkv serve", description="Serve the model repository over gRPC.")
     add_arguments(parser)
-    return serve(from_arguments(parser.parse_args(argv)))
+    settings = from_arguments(parser.parse_args(argv))
+    _check_settings(settings)
+    return serve(settings)
+
+
+def _check_settings(s: ServerSettings) -> None:
+    """What the flags (or their QKV_ variables) say that cannot work, refused before anything binds or loads."""
+    for name, lowest in (("grpc_port", 0), ("http_port", -1), ("metrics_port", -1)):
+        in_range("--" + name.replace("_", "-"), getattr(s, name), lowest, 65535)
+    for name, lowest in (("grace_period", 0), ("max_connection_age", 0), ("max_message_bytes", 1),
+                         ("max_concurrent_streams", 1)):  # fmt: skip
+        in_range("--" + name.replace("_", "-"), getattr(s, name), lowest)
+    in_range("--compute-nice", s.compute_nice, 0, 19)
+    for name in ("http_timeout", "repository_poll_secs"):
+        if getattr(s, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(s, name):g}: must be above 0 seconds")
+    if not s.model_repository.exists():
+        raise UsageError(f"model repository not found: {s.model_repository}")
+    if not s.model_repository.is_dir():
+        raise UsageError(f"model repository is not a directory: {s.model_repository}")
 
 
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +210,24 @@ def main(argv: list[str] | None = None) -> int:
         extra = OPTIONAL[top]
         print(f"qkv {command} needs {top}: pip install -e '.[{extra}]' in the repository", file=sys.stderr)
         return 2
+    except UsageError as e:
+        problem = str(e)
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # argparse's (already printed) and plain exits
+            raise
+        problem = e.code.removeprefix("qkv: ")  # how the server refuses to start: a file or a port it cannot use
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        if e.filename is None:
+            raise
+        # A file a command met that no check before it caught: still one line naming it, not a traceback.
+        problem = f"{e.strerror}: {e.filename}"
+    print(f"qkv {command}: {' '.join(problem.splitlines())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m service.cli` runs this file as __main__: go through `service.cli` itself, whose UsageError
+    # is the one the commands raise.
+    from service.cli import main as _main
+
+    sys.exit(_main())

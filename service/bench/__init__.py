@@ -25,6 +25,7 @@ from service.bench.load import by_length, encoder_maker, held_out_words, run_clo
 from service.bench.report import targets_table
 from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
 from service.bench.servers import padding_share, scrape, variant
+from service.cli import UsageError, in_range, readable_file
 from service.seq2seq import session_options
 
 # The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"suite sections: {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
+    _check(args)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.perf_analyzer:
         r = perf_analyzer_crosscheck(args.perf_analyzer, args.model_repository, args.out, args.seconds)
@@ -117,15 +119,15 @@ def main(argv: list[str]) -> int:
     if args.model == "g2p":
         make = word_maker(held_out_words())
     else:
-        lo, _, hi = args.lengths.partition(":")
-        make = encoder_maker(lambda r: r.randint(int(lo), int(hi or lo)), vocab)
+        lo, hi = _lengths(args.lengths)
+        make = encoder_maker(lambda r: r.randint(lo, hi), vocab)
     report: dict[str, Any] = {}
     if args.rate:
         report[f"rate {args.rate:g}"] = loadgen.summarise(
             run_open(args.url, make, args.rate, args.seconds, "open loop")
         )
     else:
-        for c in (int(x) for x in args.concurrency.split(",")):
+        for c in _concurrency(args.concurrency):
             run = run_closed(args.url, make, c, args.seconds, f"concurrency {c}")
             report[f"concurrency {c}"] = {**loadgen.summarise(run), "by_seq_len": by_length(run)}
     for name, r in report.items():
@@ -136,6 +138,50 @@ def main(argv: list[str]) -> int:
         print(f"qkv bench: no request to {args.url} succeeded", file=sys.stderr)
         return 1
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """A UsageError naming the first flag whose value cannot run, before any server starts or request goes."""
+    if args.seconds <= 0:
+        raise UsageError(f"--seconds {args.seconds:g}: must be above 0")
+    in_range("--rate", args.rate, 0)
+    in_range("--soak", args.soak, 0)
+    _lengths(args.lengths)
+    _concurrency(args.concurrency)
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        raise UsageError(
+            f"--only {args.only}: no section {', '.join(sorted(unknown))} (choose from {', '.join(SECTIONS)})"
+        )
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: must be a directory, not a file")
+    if args.perf_analyzer:
+        readable_file(args.perf_analyzer, "perf_analyzer")
+    if not args.zoo and not args.model_repository.is_dir():  # the zoo brings its own models
+        raise UsageError(f"model repository not found: {args.model_repository}")
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    """--lengths N or LO:HI, as the (LO, HI) of sequence lengths drawn uniformly."""
+    lo, colon, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi if colon else lo)
+    except ValueError:
+        raise UsageError(f"--lengths {text}: must be N or LO:HI, whole numbers") from None
+    if not 1 <= low <= high:
+        raise UsageError(f"--lengths {text}: must be 1 or more, and LO no more than HI")
+    return low, high
+
+
+def _concurrency(text: str) -> list[int]:
+    """--concurrency 1,8,32 as the closed loop's numbers of clients, each 1 or more."""
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--concurrency {text}: must be whole numbers separated by commas") from None
+    if min(levels) < 1:
+        raise UsageError(f"--concurrency {text}: must be 1 or more clients each")
+    return levels
 
 
 def _not_ready(url: str, model: str) -> str | None:

@@ -61,11 +61,25 @@ def test_the_last_epochs_are_kept_and_averaged(teacher: Path) -> None:
     assert lines[-1]["averaged"] == kept and mean["dev"]["wer"] == lines[-1]["wer"]
 
 
+class Ticks:
+    """A clock that advances `tick` seconds each time it is read: a run's timing without its speed."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
 def test_a_timed_run_stops_on_time_after_a_cool_down_on_the_clock(tmp_path: Path) -> None:
     timed = replace(TINY, out=str(tmp_path), epochs=10_000, hours=1.5 / 3600, cooldown_minutes=1 / 60)
-    train(timed)
+    clock = Ticks(0.01)  # a few reads a step: the budget lasts some 50 steps, a few epochs
+    train(timed, clock=clock)
     state = torch.load(tmp_path / "last.pt", weights_only=False)
-    assert 1.5 <= state["elapsed_s"] < 3 and 0 < state["epoch"] < 10_000
+    # It stopped at the first check past the budget: within a couple of reads of 1.5 s, mid-run.
+    assert 1.5 <= state["elapsed_s"] < 1.5 + 5 * clock.tick, state["elapsed_s"]
+    assert 0 < state["epoch"] < 10_000
     peak = learning_rate(10_000, timed)  # past warm-up; the decay is the same in the three calls
     assert learning_rate(10_000, timed, seconds_left=1.0) == peak  # the cool-down is the last second
     assert learning_rate(10_000, timed, seconds_left=0.5) == pytest.approx(peak / 2)
