@@ -25,6 +25,7 @@ import pytest
 from service import protocol
 from service.client import g2p_request
 from service.loadgen import encoder_request
+from service.metrics import seq_len_bucket
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
@@ -40,7 +41,7 @@ def free_port() -> int:
 
 
 def scrape(url: str) -> str:
-    return urllib.request.urlopen(url, timeout=5).read().decode()
+    return urllib.request.urlopen(url, timeout=30).read().decode()
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -57,6 +58,7 @@ class Load:
     def __init__(self, url: str, http_url: str) -> None:
         self.url, self.http_url, self.stop = url, http_url, threading.Event()
         self.sent = {"ok": 0, "invalid": 0, "tokens": 0}
+        self.by_length = dict.fromkeys(LENGTHS, 0)  # encoder requests answered, by length
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -68,6 +70,7 @@ class Load:
                     stub.ModelInfer(encoder_request(n, 33, rng), timeout=30)
                     self.sent["ok"] += 1
                     self.sent["tokens"] += n
+                    self.by_length[n] += 1
                 stub.ModelInfer(g2p_request(["hello", "world"]), timeout=30)
                 try:
                     stub.ModelInfer(g2p_request(["naïve"]), timeout=30)
@@ -77,13 +80,22 @@ class Load:
                 urllib.request.urlopen(f"http://{self.http_url}/v2/models/g2p/ready", timeout=30).close()
                 time.sleep(0.02)
 
+    def pause(self) -> None:
+        """Stop sending and wait for the last answer: the server's counters then hold still."""
+        self.stop.set()
+        self.thread.join()
+
+    def resume(self) -> None:
+        self.stop.clear()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
     def __enter__(self) -> Load:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
+        self.pause()
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +134,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSer
         stop_server(server)
 
 
-def query(base: str, expr: str, need: int = 1, timeout: float = 45.0) -> list[dict]:  # type: ignore[type-arg]
+def query(base: str, expr: str, need: int = 1, timeout: float = 60.0) -> list[dict]:  # type: ignore[type-arg]
     """Poll Prometheus until `expr` has at least `need` series (its first data takes ~5 s)."""
     deadline, result = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
@@ -140,15 +152,23 @@ def query(base: str, expr: str, need: int = 1, timeout: float = 45.0) -> list[di
 
 
 def test_latency_by_sequence_length_in_prometheus(stack: tuple[RunningServer, str, Load]) -> None:
-    _, base, _ = stack
+    _, base, load = stack
+    buckets = {seq_len_bucket(n) for n in LENGTHS}
     expr = (
         "histogram_quantile(0.5, sum by (le, seq_len) "
         '(rate(qkv_request_duration_seconds_bucket{model="g2p_encoder"}[30s])))'
     )
-    result = query(base, expr, need=6)
+    result = query(base, expr, need=len(buckets))
     p50 = {r["metric"]["seq_len"]: float(r["value"][1]) for r in result}
-    assert len(p50) >= 6, p50
-    assert p50["512"] > p50["8"] and p50["256"] > p50["16"], p50  # longer sequences take longer
+    assert set(p50) == buckets and all(v > 0 for v in p50.values()), p50  # a latency for each length
+    # Each length's requests land in its own series: every one has some, and none more than the load sent
+    # of that length (its counts are read after Prometheus's; one more may be answered but not yet counted).
+    counted = query(base, 'sum by (seq_len) (qkv_request_duration_seconds_count{model="g2p_encoder"})', len(buckets))
+    sent = dict(load.by_length)
+    by_bucket = {r["metric"]["seq_len"]: float(r["value"][1]) for r in counted}
+    assert set(by_bucket) == buckets, by_bucket
+    for n in LENGTHS:
+        assert 0 < by_bucket[seq_len_bucket(n)] <= sent[n] + 1, (n, by_bucket, sent)
 
 
 def test_every_dashboard_query_returns_data(stack: tuple[RunningServer, str, Load]) -> None:
@@ -161,9 +181,12 @@ def test_every_dashboard_query_returns_data(stack: tuple[RunningServer, str, Loa
 
 def test_rules_load_and_evaluate(stack: tuple[RunningServer, str, Load]) -> None:
     _, base, _ = stack
-    deadline = time.monotonic() + 30
+    deadline, rules = time.monotonic() + 60, []  # rules are evaluated every second once Prometheus is up
     while time.monotonic() < deadline:
-        groups = json.load(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=5))["data"]["groups"]
+        try:
+            groups = json.load(urllib.request.urlopen(f"{base}/api/v1/rules", timeout=30))["data"]["groups"]
+        except OSError:
+            groups = []  # not listening yet
         rules = [r for g in groups for r in g["rules"]]
         if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules):
             break
@@ -175,13 +198,15 @@ def test_rules_load_and_evaluate(stack: tuple[RunningServer, str, Load]) -> None
 
 def test_counters_match_what_the_client_sent(stack: tuple[RunningServer, str, Load]) -> None:
     server, _, load = stack
-    load.stop.set()
-    load.thread.join()
-    text = scrape(server.metrics_url)
-    assert sample(text, "qkv_requests_total", model="g2p_encoder", code="OK") == load.sent["ok"]
-    assert sample(text, "qkv_requests_total", model="g2p", code="INVALID_ARGUMENT") == load.sent["invalid"]
-    assert sample(text, "qkv_tokens_total", model="g2p_encoder", direction="input") == load.sent["tokens"]
-    assert sample(text, "qkv_request_duration_seconds_count", model="g2p_encoder") == load.sent["ok"]
+    load.pause()  # the other tests, in any order, still find the load running
+    try:
+        text, sent = scrape(server.metrics_url), dict(load.sent)
+    finally:
+        load.resume()
+    assert sample(text, "qkv_requests_total", model="g2p_encoder", code="OK") == sent["ok"]
+    assert sample(text, "qkv_requests_total", model="g2p", code="INVALID_ARGUMENT") == sent["invalid"]
+    assert sample(text, "qkv_tokens_total", model="g2p_encoder", direction="input") == sent["tokens"]
+    assert sample(text, "qkv_request_duration_seconds_count", model="g2p_encoder") == sent["ok"]
     assert sample(text, "qkv_inflight_requests", model="g2p_encoder") == 0
     assert re.search(r'qkv_model_info\{model="g2p",provider="CPUExecutionProvider",version="1"\} 1.0', text)
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
