@@ -8,6 +8,8 @@ little-endian length followed by that many bytes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,12 +17,16 @@ import numpy as np
 from service.errors import InvalidArgument, quote
 
 __all__ = [
+    "MAX_BYTES_ELEMENTS",
     "MAX_DIMS",
+    "MAX_ELEMENTS",
     "NUMPY_DTYPES",
     "ONNX_DATATYPES",
+    "InputLimits",
     "datatype_of",
     "decode_bytes",
     "decode_tensor",
+    "element_count",
     "encode_bytes",
     "fill_output",
 ]
@@ -72,8 +78,23 @@ CONTENTS_FIELD = {
 }
 # Datatypes whose typed contents travel in a wider field, and that field's numpy type.
 _NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np.uint32}
+MAX_ELEMENTS = 1 << 24  # elements of one tensor, whatever the model
 MAX_BYTES_ELEMENTS = 1 << 16  # BYTES elements in one tensor
 MAX_DIMS = 32  # dimensions of one tensor (numpy itself stops at 64)
+# Typed contents become an array this many values at a time: each slice is a bounded list of Python
+# numbers, and a thread converting a large tensor lets the event loop run between two slices.
+CONTENTS_SLICE = 1 << 16
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What one input tensor may hold, checked on the message as received, before anything is decoded."""
+
+    elements: int = MAX_ELEMENTS
+    element_bytes: int | None = None  # each BYTES element, at most
+    why: str = ""  # where `elements` comes from, said in the refusal
+
+
 _DATATYPE_OF = {np.dtype(v).str: k for k, v in NUMPY_DTYPES.items() if k != "BYTES"}
 
 
@@ -83,14 +104,17 @@ def datatype_of(array: np.ndarray) -> str:
     return _DATATYPE_OF[array.dtype.str]
 
 
-def decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
-    """Length-prefixed BYTES elements -> object array of `count` bytes values."""
+def decode_bytes(raw: bytes, count: int, name: str, max_bytes: int | None = None) -> np.ndarray:
+    """Length-prefixed BYTES elements -> object array of `count` bytes values; an element longer than
+    `max_bytes` is refused before it is copied."""
     out, offset = [], 0
-    for _ in range(count):
+    for i in range(count):
         if offset + 4 > len(raw):
             raise InvalidArgument(f"input {quote(name)}: raw BYTES contents end inside an element's length prefix")
         (n,) = struct.unpack_from("<I", raw, offset)
         offset += 4
+        if max_bytes is not None and n > max_bytes:
+            raise InvalidArgument(f"input {quote(name)} element {i}: {n} bytes, the limit is {max_bytes}")
         if offset + n > len(raw):
             raise InvalidArgument(
                 f"input {quote(name)}: raw BYTES element of {n} bytes runs past the end of the contents"
@@ -104,20 +128,47 @@ def decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
 
 def encode_bytes(array: np.ndarray) -> bytes:
     parts = []
-    for x in array.reshape(-1):
-        b = x if isinstance(x, bytes) else str(x).encode()
+    for i, x in enumerate(array.reshape(-1)):
+        try:
+            b = x if isinstance(x, bytes) else str(x).encode()
+        except UnicodeEncodeError as e:  # a lone surrogate, as JSON's \ud800 gives
+            raise InvalidArgument(f"BYTES element {i} is not valid Unicode (character {e.start})") from None
         parts.append(struct.pack("<I", len(b)) + b)
     return b"".join(parts)
 
 
-def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarray:
-    """One InferInputTensor (and its raw contents, if any) -> numpy array of its declared shape."""
+def element_count(tensor: Any) -> int:
+    """The elements an InferInputTensor's shape declares, counted without building the shape (0 when
+    the shape is invalid: decode_tensor says why)."""
+    if len(tensor.shape) > MAX_DIMS:
+        return 0
+    count = 1
+    for d in tensor.shape:
+        count *= max(int(d), 0)
+    return count
+
+
+def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
+    """A repeated protobuf field of numbers -> a 1-d array, CONTENTS_SLICE values at a time."""
+    if count <= CONTENTS_SLICE:
+        return np.asarray(values, dtype=dtype)
+    out = np.empty(count, dtype=dtype)
+    for start in range(0, count, CONTENTS_SLICE):
+        out[start : start + CONTENTS_SLICE] = values[start : start + CONTENTS_SLICE]
+    return out
+
+
+def decode_tensor(tensor: Any, raw_contents: Callable[[], bytes] | None, limits: InputLimits) -> np.ndarray:
+    """One InferInputTensor (and its raw contents, if any) -> numpy array of its declared shape.
+    Every count is checked against `limits` before the elements are touched; `raw_contents` gives the
+    raw contents (a copy, out of the message), asked for only then."""
     name, datatype = tensor.name, tensor.datatype
     if datatype not in NUMPY_DTYPES:
         raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
+    if len(tensor.shape) > MAX_DIMS:  # counted before the shape becomes Python ints
+        raise InvalidArgument(f"input {quote(name)}: shape has {len(tensor.shape)} dimensions, the limit is {MAX_DIMS}")
     shape = tuple(int(d) for d in tensor.shape)
-    if len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"input {quote(name)}: shape has {len(shape)} dimensions, the limit is {MAX_DIMS}")
+    max_elements = limits.elements
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"input {quote(name)}: negative dimension in shape {list(shape)}")
     # Checked before anything is allocated; zeros aside, so [0, 2**62] is refused too (numpy could not hold it).
@@ -127,17 +178,20 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
         extent *= max(d, 1)
         if extent > max_elements:
             aside = " (zero dimensions aside)" if 0 in shape else ""
+            unit = "BYTES elements" if datatype == "BYTES" else "elements"
+            why = f": {limits.why}" if limits.why else ""
             raise InvalidArgument(
-                f"input {quote(name)}: shape {list(shape)} exceeds the limit of {max_elements} elements{aside}"
+                f"input {quote(name)}: shape {list(shape)} exceeds the limit of {max_elements} {unit}{aside}{why}"
             )
     if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
         # Decoding BYTES is a Python loop per element: bound it before it can hold the event loop.
         raise InvalidArgument(f"input {quote(name)}: {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
-    if raw is not None:
+    if raw_contents is not None:
         if tensor.HasField("contents"):
             raise InvalidArgument(f"input {quote(name)}: both typed contents and raw_input_contents given")
+        raw = raw_contents()
         if datatype == "BYTES":
-            return decode_bytes(raw, count, name).reshape(shape)
+            return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)
         dtype = np.dtype(NUMPY_DTYPES[datatype]).newbyteorder("<")
         if len(raw) != count * dtype.itemsize:
             raise InvalidArgument(
@@ -154,10 +208,17 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
             f"input {quote(name)}: {len(values)} values in contents.{field}, shape {list(shape)} needs {count}"
         )
     if datatype == "BYTES":
-        return np.array(list(values), dtype=np.object_).reshape(shape)
+        elements = list(values)
+        if limits.element_bytes is not None:
+            for i, b in enumerate(elements):
+                if len(b) > limits.element_bytes:
+                    raise InvalidArgument(
+                        f"input {quote(name)} element {i}: {len(b)} bytes, the limit is {limits.element_bytes}"
+                    )
+        return np.array(elements, dtype=np.object_).reshape(shape)
     dtype = np.dtype(NUMPY_DTYPES[datatype])
     if datatype in _NARROW:  # carried widened (int32 / uint32): a value may not fit the declared type
-        wide = np.asarray(values, dtype=_NARROW[datatype])
+        wide = _typed(values, _NARROW[datatype], count)
         info = np.iinfo(dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
             bad = int(wide.min()) if wide.min() < info.min else int(wide.max())
@@ -165,7 +226,7 @@ def decode_tensor(tensor: Any, raw: bytes | None, max_elements: int) -> np.ndarr
                 f"input {quote(name)}: value {bad} in contents.{field} is outside {datatype} [{info.min}, {info.max}]"
             )
         return wide.astype(dtype).reshape(shape)
-    return np.asarray(values, dtype=dtype).reshape(shape)
+    return _typed(values, dtype, count).reshape(shape)
 
 
 def fill_output(tensor: Any, array: np.ndarray) -> bytes:

@@ -2,14 +2,20 @@
 
 Buckets: request and queue latency span 0.25 ms to 10 s (sub-millisecond tensor calls to
 multi-second overloaded g2p requests), compute 0.1 ms to 5 s; batch sizes are powers of two up to
-the largest max_batch_size; padding ratio in tenths. The HTTP exporter runs on its own port.
+the largest max_batch_size; padding ratio in tenths. The HTTP exporter runs on its own port, on the
+server's event loop (service/metrics_http.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # aiohttp is imported only when the port is served
+    from service.metrics_http import MetricsServer
 
 __all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "seq_len_bucket"]
 
@@ -80,6 +86,8 @@ class Metrics:
 
     def __init__(self, enabled: bool = True) -> None:
         r = self.registry = CollectorRegistry()
+        self._server: MetricsServer | None = None  # the /metrics port, once served
+        self._serving: asyncio.Task[None] | None = None
         self.request_duration = Histogram(
             "qkv_request_duration_seconds",
             "Time from a request's arrival to its response",
@@ -153,10 +161,16 @@ class Metrics:
                 if name != "registry" and hasattr(value, "labels"):
                     setattr(self, name, _Off())
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP server; return the bound port (port 0 picks a free one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+    def serve(self, host: str, port: int, timeout: float = 30.0) -> int:
+        """Serve /metrics on the running event loop; return the bound port (port 0 picks a free one). The port
+        is bound and listening on return (OSError when it cannot be); `timeout`: seconds a connection may take
+        to send its request's headers, or idle."""
+        from service.metrics_http import MetricsServer
+
+        server = self._server = MetricsServer(self.registry, timeout)
+        bound = server.bind(host, port)
+        self._serving = asyncio.get_running_loop().create_task(server.start())
+        return bound
 
     def observer(self, model: str, version: str) -> ModelObserver:
         return ModelObserver(self, model, version)

@@ -20,7 +20,7 @@ import numpy as np
 
 from service.admission import WorkItem
 from service.batching import DynamicBatcher
-from service.codec import NUMPY_DTYPES, datatype_of
+from service.codec import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
 from service.generation import Hypothesis, greedy_decode
 from service.metrics import ModelObserver
@@ -37,6 +37,8 @@ __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 log = logging.getLogger("qkv.models")
 
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
+# A g2p request with more text than this is split and normalized on a worker thread.
+THREAD_TEXT_BYTES = 1 << 18
 
 
 @dataclass
@@ -215,6 +217,10 @@ class TensorModel:
         axis = self.sequence_axis
         return axis is not None and len(s.axes) > axis and s.axes[axis] in self._seq_names
 
+    def input_limits(self, name: str) -> InputLimits:
+        """What input `name` may hold, checked before it is decoded."""
+        return InputLimits()
+
     def _group(self, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
         """Requests batch together when all their dims but batch (and sequence) agree."""
         key = []
@@ -326,6 +332,25 @@ class TensorModel:
 # Punctuation stripped around words, apostrophes kept ('bout, james'); a character left inside a word
 # must be in the grapheme vocabulary.
 _STRIP = string.punctuation.replace("'", "") + "“”«»…–—"
+# Words counted on the raw bytes, before any is decoded or normalized (count_words): whitespace as
+# str.split sees it, and the punctuation normalize_word strips.
+_ASCII_STRIP = bytes(c for c in _STRIP.encode() if c < 0x80)
+_WIDE_STRIP = [c.encode() for c in _STRIP if ord(c) >= 0x80]
+_WIDE_SPACES = [chr(c).encode() for c in range(0x80, 0x3001) if chr(c).isspace()]
+_SPACE_OR_LETTER = bytes(0x20 if chr(b).isspace() else 0x61 for b in range(0x80)) + b"a" * 0x80
+
+
+def count_words(text: bytes) -> int:
+    """The words `normalize_word` would keep in `text` (UTF-8), counted by C-level passes over the
+    bytes: no Python object per word, so a flood of words is refused before any is built."""
+    for space in _WIDE_SPACES:
+        if space in text:
+            text = text.replace(space, b" ")
+    for mark in _WIDE_STRIP:
+        if mark in text:
+            text = text.replace(mark, b"")
+    letters = text.translate(_SPACE_OR_LETTER, _ASCII_STRIP)  # " " between words, "a" inside one
+    return letters.count(b" a") + letters.startswith(b"a")
 
 
 def normalize_word(token: str) -> str:
@@ -390,16 +415,42 @@ class G2PModel:
         self.runtime.instances.clear()
         self.scheduler.models.clear()
 
-    def words(self, text: np.ndarray) -> list[list[str]]:
-        """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""
+    def input_limits(self, name: str) -> InputLimits:
+        """TEXT holds at most max_words elements (each holds a word or more) of max_element_bytes each."""
+        if name != "TEXT":
+            return InputLimits()
+        why = f"model '{self.name}' takes at most max_words {self.max_words} words, one or more an element"
+        return InputLimits(self.max_words, self.max_element_bytes, why)
+
+    def _raw_text(self, text: np.ndarray) -> list[bytes]:
+        """TEXT's elements as bytes, their number and sizes checked before any is read."""
+        elements = text.reshape(-1)
+        if len(elements) > self.max_words:  # every element holds a word or more
+            raise InvalidArgument(
+                f"input 'TEXT': {len(elements)} elements, the limit is max_words {self.max_words} "
+                "(each holds one word or more)"
+            )
         out = []
-        for i, raw in enumerate(text.reshape(-1)):
+        for i, raw in enumerate(elements):
             if not isinstance(raw, bytes):
-                raw = str(raw).encode()
+                raw = str(raw).encode(errors="surrogatepass")
             if len(raw) > self.max_element_bytes:
                 raise InvalidArgument(
                     f"input 'TEXT' element {i}: {len(raw)} bytes, the limit is {self.max_element_bytes}"
                 )
+            out.append(raw)
+        total = count_words(b" ".join(out))  # on the bytes as received, before any word is built
+        if total > self.max_words:
+            raise InvalidArgument(f"input 'TEXT': {total} words in one request, the limit is {self.max_words}")
+        return out
+
+    def words(self, text: np.ndarray) -> list[list[str]]:
+        """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""
+        return self._words(self._raw_text(text))
+
+    def _words(self, elements: list[bytes]) -> list[list[str]]:
+        out = []
+        for i, raw in enumerate(elements):
             try:
                 s = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -410,14 +461,14 @@ class G2PModel:
             for w in words:
                 if len(w) > self.max_word_length:
                     raise InvalidArgument(
-                        f"input 'TEXT' element {i}: word '{w[:40]}' has {len(w)} letters, "
+                        f"input 'TEXT' element {i}: word {quote(w, 40)} has {len(w)} letters, "
                         f"the limit is {self.max_word_length}"
                     )
                 bad = next((c for c in w if c not in self.graphemes), None)
                 if bad is not None:
                     raise InvalidArgument(
-                        f"input 'TEXT' element {i}: the model cannot spell character {bad!r} "
-                        f"(U+{ord(bad):04X}) in '{w[:40]}'"
+                        f"input 'TEXT' element {i}: the model cannot spell character {quote(bad)} "
+                        f"(U+{ord(bad):04X}) in {quote(w, 40)}"
                     )
             out.append(words)
         total = sum(map(len, out))
@@ -457,7 +508,11 @@ class G2PModel:
                 raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: PHONEMES, ATTENTION)")
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
-        elements = self.words(text)
+        raw = self._raw_text(text)
+        if sum(map(len, raw)) > THREAD_TEXT_BYTES:  # a large legal request: its words built off the event loop
+            elements = await asyncio.to_thread(self._words, raw)
+        else:
+            elements = self._words(raw)
         flat = [w for ws in elements for w in ws]
         sources = [self.graphemes.encode(w) for w in flat]
         with_attention = "ATTENTION" in outputs
@@ -465,7 +520,7 @@ class G2PModel:
         longest = max(map(len, sources))
         loop = asyncio.get_running_loop()
         item = WorkItem(
-            rows=len(sources),
+            rows=len(sources) * beam,  # a beam search decodes each word in `beam` rows: its cost
             length=longest + 1,
             payload=req,
             future=loop.create_future(),

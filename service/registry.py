@@ -49,6 +49,7 @@ __all__ = [
     "ModelRegistry",
     "VersionState",
     "one_malloc_arena",
+    "return_freed_memory",
 ]
 
 log = logging.getLogger("qkv.registry")
@@ -59,11 +60,13 @@ BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inlin
 
 
 class LoadFailed(InvalidArgument):
-    """A load that failed; `reason` is the problem alone (the file and what is wrong with it)."""
+    """A load that failed; `reason` is the problem alone (the file, relative to the repository, and what
+    is wrong with it), as clients see it; `detail` the same with the server's paths, for its operator."""
 
-    def __init__(self, name: str, reason: str) -> None:
+    def __init__(self, name: str, reason: str, detail: str = "") -> None:
         super().__init__(f"failed to load '{name}': {reason}")
         self.reason = reason
+        self.detail = detail or reason
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def one_malloc_arena() -> None:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc keeps them otherwise): RSS falls after an unload."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -136,6 +139,7 @@ class ModelRegistry:
         self._changed = changed  # (name, ready): health follows the models
         self.tracing = tracing  # handed to each version's batcher or scheduler
         self._poller: asyncio.Task[None] | None = None
+        self.started = False  # set once the start's models are loaded
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
 
     # Reads: on the event loop, never waiting.
@@ -196,9 +200,10 @@ class ModelRegistry:
             try:
                 await self.load(name)
             except LoadFailed as e:
-                raise RepositoryError(e.reason) from None
+                raise RepositoryError(e.detail) from None
             except ServingError as e:
                 raise RepositoryError(e.message) from None
+        self.started = True
         if self.mode == "poll":
             self._poller = asyncio.create_task(self._poll())
 
@@ -212,7 +217,7 @@ class ModelRegistry:
         except RepositoryError:  # the repository itself is gone
             directory = None
         if directory is None:
-            raise NotFound(f"no model {quote(name)} in the repository {self.root}")
+            raise NotFound(f"no model {quote(name)} in the model repository")
         served = self.models.setdefault(name, ServedModel(directory))
         async with served.lock:
             await self._load(served, name, raw)
@@ -224,8 +229,10 @@ class ModelRegistry:
             configs = await loop.run_in_executor(None, load_model, served.directory, raw)
         except RepositoryError as e:
             served.states = {}
-            served.reason = str(e)
-            raise LoadFailed(name, str(e)) from None
+            served.reason = self.private(str(e))
+            if self.started:  # a failure at start is the start's error, said once
+                log.warning("model '%s': load failed: %s", name, e)
+            raise LoadFailed(name, served.reason, str(e)) from None
         config_print = fingerprint(served.directory / "config.json") if raw is None else raw
         keep: dict[str, Model] = {}
         build: list[ModelConfig] = []
@@ -260,12 +267,21 @@ class ModelRegistry:
 
     def _failed(self, served: ServedModel, name: str, failed: str, e: Exception) -> NoReturn:
         """A version failed to build: what was serving stays, the index says why, the caller is told."""
-        message = e.message if isinstance(e, ServingError) else str(e)
+        detail = e.message if isinstance(e, ServingError) else str(e)
+        message = self.private(detail)
         served.states = {failed: VersionState(name, failed, UNAVAILABLE, message)}
         if not served.versions:
             served.reason = message
-        log.warning("model '%s': load failed, %s: %s", name, self._serving(served), message)
-        raise LoadFailed(name, message) from None
+        log.warning("model '%s': load failed, %s: %s", name, self._serving(served), detail)
+        raise LoadFailed(name, message, detail) from None
+
+    def private(self, message: str) -> str:
+        """`message` as a client may see it: a path inside the repository relative to it (g2p/1/model.onnx),
+        and nothing of where the repository lies on the server."""
+        forms = {str(self.root.resolve()), str(self.root.absolute())}
+        for root in sorted((f for f in forms if f != "/"), key=len, reverse=True):
+            message = message.replace(root + "/", "").replace(root, "<model repository>")
+        return message
 
     async def unload(self, name: str) -> None:
         """Stop serving `name`: new requests are refused at once; queued and running ones finish first."""
@@ -328,7 +344,7 @@ class ModelRegistry:
                 self.metrics.forget(m.name, m.version)
         if leaving:
             gc.collect()
-            _return_freed_memory()
+            return_freed_memory()
 
     async def _notify(self, name: str, ready: bool) -> None:
         if self._changed is not None:

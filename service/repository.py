@@ -29,9 +29,14 @@ __all__ = [
     "load_repository",
     "model_cards",
     "model_directories",
+    "parse_config",
 ]
 
 KINDS = ("tensor", "g2p")
+# A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
+# ones are a few KiB, four levels deep.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
 
 
 class RepositoryError(Exception):
@@ -76,14 +81,21 @@ class VersionPolicy:
         body = body or {}
         if kind == "latest" and isinstance(body, dict):
             n = body.get("num_versions", 1)
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+            if _integer(n) and n >= 1:
                 return cls("latest", num_versions=n)
+            raise RepositoryError(
+                f"{where}: version_policy.latest.num_versions must be an integer >= 1, got {json.dumps(n)[:64]}"
+            )
         elif kind == "all" and isinstance(body, dict) and not body:
             return cls("all")
         elif kind == "specific" and isinstance(body, dict):
             versions = body.get("versions")
-            if isinstance(versions, list) and versions and all(isinstance(v, int) and v >= 0 for v in versions):
+            if isinstance(versions, list) and versions and all(_integer(v) and v >= 0 for v in versions):
                 return cls("specific", versions=tuple(sorted(set(versions))))
+            raise RepositoryError(
+                f"{where}: version_policy.specific.versions must be a list of version numbers (integers >= 0), "
+                f"got {json.dumps(versions)[:64]}"
+            )
         raise RepositoryError(
             f"{where}: version_policy {raw!r} is not {{'latest': {{'num_versions': N >= 1}}}}, {{'all': {{}}}} "
             "or {'specific': {'versions': [numbers]}}"
@@ -127,12 +139,68 @@ class ModelConfig:
     outputs: tuple[dict[str, Any], ...] = ()
 
 
+def _integer(value: Any) -> bool:
+    """An integer, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A setting's declared type -> whether a JSON value is of it, and how a message names it.
+_TYPES: dict[str, tuple[Any, str]] = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (_integer, "an integer"),
+    "float": (lambda v: _integer(v) or isinstance(v, float), "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int | None": (lambda v: v is None or _integer(v), "an integer or null"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+
+
 def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)}
-    unknown = set(values) - known
+    """`values` for the fields of `cls`, each of its field's type (a bool is no number), or a RepositoryError
+    naming the key."""
+    known = {f.name: str(f.type) for f in fields(cls)}
+    unknown = set(values) - set(known)
     if unknown:
         raise RepositoryError(f"{where}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    for key, value in values.items():
+        check, wanted = _TYPES.get(known[key], (lambda v: True, ""))
+        if not check(value):
+            raise RepositoryError(f"{where}: {key} must be {wanted}, got {json.dumps(value)[:64]}")
     return values
+
+
+def _limits(raw: Any, where: str) -> None:
+    """limits: each an integer, vocab_size an object of integers (the models read them with int())."""
+    if not isinstance(raw, dict):
+        raise RepositoryError(f"{where}: limits must be a JSON object")
+    for key, value in raw.items():
+        if key == "vocab_size" and isinstance(value, dict):
+            bad = [k for k, v in value.items() if not _integer(v)]
+            if bad:
+                raise RepositoryError(f"{where}: limits.vocab_size.{bad[0]} must be an integer")
+        elif not _integer(value):
+            raise RepositoryError(f"{where}: limits.{key} must be an integer, got {json.dumps(value)[:64]}")
+
+
+def parse_config(text: str | bytes) -> Any:
+    """A config.json's text -> its value, within MAX_CONFIG_BYTES and MAX_CONFIG_DEPTH; or ValueError saying what
+    is wrong (json.loads itself recurses: its RecursionError is caught, and what parsed is walked without
+    recursion, before anything else walks it)."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{len(text):,} bytes, the limit is {MAX_CONFIG_BYTES:,}")
+    deep = ValueError(f"nested deeper than {MAX_CONFIG_DEPTH} levels, the limit")
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        raise deep from None
+    stack: list[tuple[Any, int]] = [(raw, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        if children and depth >= MAX_CONFIG_DEPTH:
+            raise deep
+        stack.extend((child, depth + 1) for child in children)
+    return raw
 
 
 def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str, Any] | None = None) -> ModelConfig:
@@ -163,12 +231,17 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     batching = dict(raw.get("batching", {}))
     if "max_batch_size" in raw:
         batching.setdefault("max_batch_size", raw["max_batch_size"])
-    settings = {
+    settings: dict[str, Any] = {
         k: raw[k]
         for k in ("instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
                   "limits")
         if k in raw
     }  # fmt: skip
+    _typed(ModelConfig, settings, where)
+    if "limits" in settings:
+        _limits(settings["limits"], where)
+    if not isinstance(raw.get("model_card", {}), dict):
+        raise RepositoryError(f"{where}: model_card must be a JSON object")
     if settings.get("precision", "fp32") not in PRECISIONS:
         raise RepositoryError(f"{where}: unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})")
     inputs = tuple(_tensor_declarations(raw["inputs"], f"{where} inputs")) if "inputs" in raw else ()
@@ -199,7 +272,7 @@ def read_config(path: Path, where: str) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        raw = json.loads(path.read_text())
+        raw = parse_config(path.read_bytes())
     except (ValueError, OSError) as e:
         raise RepositoryError(f"{where}: {path} is not valid JSON: {e}") from e
     if not isinstance(raw, dict):

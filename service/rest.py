@@ -10,6 +10,7 @@ Triton's generate extension makes `curl` a complete client of g2p. aiohttp is im
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import grpc
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_protocol import ERROR, RequestPayloadError
 
 from service import protocol
 from service.codec import encode_bytes
@@ -44,14 +45,23 @@ from service.security import BearerTokens
 
 __all__ = ["HTTP_STATUS", "MAX_STREAM_WORDS", "RestServer"]
 
-# A gRPC status name -> the HTTP status that answers it (the message is the same on both protocols).
+# Every gRPC status name -> the HTTP status that answers it (the message is the same on both protocols):
+# Google's mapping (google/rpc/code.proto), and nginx's 499 for a client that left.
 HTTP_STATUS = {
+    "OK": 200,
     "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
     "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
     "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "ABORTED": 409,
     "RESOURCE_EXHAUSTED": 429,
     "CANCELLED": 499,  # the client left; nobody reads it
+    "UNKNOWN": 500,
     "INTERNAL": 500,
+    "DATA_LOSS": 500,
     "UNIMPLEMENTED": 501,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
@@ -124,6 +134,22 @@ def _json(doc: Any, status: int = 200) -> web.Response:
     )
 
 
+def _event(kind: str, doc: Any) -> bytes:
+    """One server-sent event: `data: JSON`, after `event: KIND` when it has one."""
+    head = f"event: {kind}\n" if kind else ""
+    return f"{head}data: {json.dumps(doc)}\n\n".encode()
+
+
+def _utf8(text: str) -> bool:
+    """Whether a string can travel as UTF-8: not one that holds a lone surrogate (aiohttp decodes a header's
+    bytes that are not UTF-8 into them)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text_request(model: str, version: str, text: str, request_id: str, params: Any) -> Any:
     """What generate sends the model: TEXT [1], as a gRPC client of g2p would."""
     request = protocol.ModelInferRequest(model_name=model, model_version=version, id=request_id)
@@ -181,6 +207,8 @@ class RestServer:
         limit = self.settings.max_message_bytes
 
         def request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            if message is ERROR:  # aiohttp's parser refused the request (always 400): _handle never sees it
+                self.counter.labels("", "unknown", "400").inc()
             return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=limit)
 
         server = web.Server(
@@ -230,6 +258,8 @@ class RestServer:
             route, model, version = self._route(request)
             endpoint = route.endpoint
             authorization = request.headers.get("Authorization")
+            if authorization is not None and not _utf8(authorization):  # bytes no token has: no token
+                authorization = None
             if not route.open and not self.tokens.allows(authorization, route.repository):
                 which = "admin " if self.tokens.wants_admin(route.repository) else ""
                 raise _Refused(
@@ -244,9 +274,19 @@ class RestServer:
                 response.force_close()
         except ServingError as e:
             response = _failed(e)
-        label = model if model in self.service.registry.models else UNKNOWN_MODEL if model else ""
-        self.counter.labels(label, endpoint, str(response.status)).inc()
+        except web.HTTPException as e:  # aiohttp's own refusal, answered as ours are
+            response = _error(e.status, e.reason)
+        except (ConnectionError, asyncio.CancelledError):  # the client left: nobody reads an answer
+            self.counter.labels(self._label(model), endpoint, "499").inc()
+            raise
+        except Exception:  # a fault of the server's, never the client's: its traceback logged, once
+            log.exception("%s %s failed inside the server", request.method, clip(request.rel_url.raw_path))
+            response = _error(500, "the server failed on this request: its log has the details")
+        self.counter.labels(self._label(model), endpoint, str(response.status)).inc()
         return response
+
+    def _label(self, model: str) -> str:
+        return model if model in self.service.registry.models else UNKNOWN_MODEL if model else ""
 
     async def _body(self, request: web.BaseRequest) -> bytes:
         """The request's body, within --max-message-bytes and --http-timeout, of a type JSON can be in."""
@@ -273,7 +313,9 @@ class RestServer:
             raise _Refused(408, message, close=True) from None
         except (HttpProcessingError, RequestPayloadError) as e:  # a broken chunked or compressed body
             request.content.feed_eof()  # what follows is not read: aiohttp would raise the error again
-            raise _Refused(400, f"the body cannot be read: {clip(' '.join(str(e).split()), 200)}", close=True) from None
+            raise _Refused(
+                400, f"the body cannot be read: {quote(' '.join(str(e).split()), 200)}", close=True
+            ) from None
 
     async def _call(self, method: str, request: Any) -> Any:
         """An InferenceService method, as the gRPC server calls it."""
@@ -413,21 +455,33 @@ class RestServer:
                 return _failed(first)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
-            said = []
-            for index, task in enumerate(tasks):
-                outcome = first if index == 0 else await task
-                if isinstance(outcome, ServingError):
-                    await response.write(f"event: error\ndata: {json.dumps({'error': outcome.message})}\n\n".encode())
-                    break
-                phonemes = str(output_data(outcome)["PHONEMES"][0])
-                said.append(phonemes)
-                event = self._generated(outcome, phonemes) | {"index": index, "word": normalize_word(tokens[index])}
-                await response.write(f"data: {json.dumps(event)}\n\n".encode())
-            else:
-                final = self._generated(first, " | ".join(said)) | {"final": True}
-                await response.write(f"data: {json.dumps(final)}\n\n".encode())
+            try:
+                await self._events(response, tasks, first, tokens)
+            except ConnectionError:  # the client left mid-stream: its 200 is answered, the rest unread
+                return response
+            except Exception:  # the status is sent: the fault ends the stream, logged, as an error event
+                log.exception("generate_stream failed inside the server")
+                with contextlib.suppress(ConnectionError):
+                    await response.write(_event("error", {"error": "the server failed: its log has the details"}))
             await response.write_eof()
             return response
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def _events(
+        self, response: web.StreamResponse, tasks: list[asyncio.Task[Any]], first: Any, tokens: list[str]
+    ) -> None:
+        """generate_stream's events: each word's in order, then the whole text, or an error event and the end."""
+        said = []
+        for index, task in enumerate(tasks):
+            outcome = first if index == 0 else await task
+            if isinstance(outcome, ServingError):
+                await response.write(_event("error", {"error": outcome.message}))
+                return
+            phonemes = str(output_data(outcome)["PHONEMES"][0])
+            said.append(phonemes)
+            event = self._generated(outcome, phonemes) | {"index": index, "word": normalize_word(tokens[index])}
+            await response.write(_event("", event))
+        final = self._generated(first, " | ".join(said)) | {"final": True}
+        await response.write(_event("", final))

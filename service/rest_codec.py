@@ -11,6 +11,7 @@ JSON `data`, or as raw bytes after the header for the outputs asked for in binar
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ __all__ = [
 # integers, 17 of floats), and a parsed number costs some 30 bytes: larger tensors go in binary.
 MAX_JSON_BYTES = 4 << 20
 BINARY_SIZE = "binary_data_size"
+# What a lone surrogate looks like in JSON: an escape \uD800-\uDFFF, or its UTF-8 form, which json.loads
+# lets through too. A body without one is not walked.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _INT64_TYPES = {
     FieldDescriptor.TYPE_INT64,
     FieldDescriptor.TYPE_UINT64,
@@ -72,7 +76,51 @@ def parse_json(data: bytes | bytearray | memoryview, what: str = "the body") -> 
         raise InvalidArgument(f"{what} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{what} must be a JSON object, not {type(value).__name__}")
+    if _SURROGATE.search(data):
+        _unicode(value, what)
     return value
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode(doc: Any, what: str) -> None:
+    """InvalidArgument naming the first string of `doc` (a key or a value) that is not valid Unicode (a lone
+    surrogate, which JSON can escape but UTF-8 cannot carry). A walk without recursion: any depth json.loads
+    reached."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                raise InvalidArgument(f"{what}: {path or 'the value'} holds a lone surrogate: {quote(value)}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):
+                    raise InvalidArgument(
+                        f"{what}: a key of {path or 'the object'} holds a lone surrogate: {quote(key)}"
+                    )
+                stack.append((item, _member(path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{k}]") for k, item in enumerate(value))
+
+
+def _plain(key: str) -> bool:
+    return key.isascii() and key.replace("_", "").isalnum() and len(key) <= 64
+
+
+def _member(path: str, key: str) -> str:
+    """A path's member `key` as a message names it: inputs[0].name, or parameters['a b'] (client keys quoted)."""
+    if _plain(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{quote(key)}]" if path else quote(key)
 
 
 def _string(value: Any, what: str) -> str:

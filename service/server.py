@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from ipaddress import ip_address
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import __version__, logs, priority, protocol
-from service.codec import decode_tensor, fill_output
+from service.codec import decode_tensor, element_count, fill_output
 from service.config import ServerSettings
 from service.errors import (
     FailedPrecondition,
@@ -38,8 +39,16 @@ from service.errors import (
 )
 from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
 from service.models import ModelStats, TensorModel
-from service.registry import BATCHING_SHOWN, READY, UNAVAILABLE, Model, ModelRegistry, one_malloc_arena
-from service.repository import RepositoryError
+from service.registry import (
+    BATCHING_SHOWN,
+    READY,
+    UNAVAILABLE,
+    Model,
+    ModelRegistry,
+    one_malloc_arena,
+    return_freed_memory,
+)
+from service.repository import RepositoryError, parse_config
 from service.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
@@ -50,7 +59,16 @@ __all__ = ["Server", "serve"]
 log = logging.getLogger("qkv.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-MAX_ELEMENTS = 1 << 24
+MAX_PARAMETERS = 64  # a request's parameters, at most (qkv reads a handful; HTTP adds a few of Triton's)
+# A request with more input elements than this is decoded on a worker thread, so that the event loop
+# answers others (and health checks) meanwhile; smaller ones cost less than the thread hop.
+THREAD_ELEMENTS = 1 << 14
+# After a large or refused request, once its message is freed, the heap's free pages go back to the
+# system: a parsed message of millions of small fields leaves its memory scattered through the heap,
+# which glibc would otherwise keep. At most once a TRIM_INTERVAL_S, TRIM_DELAY_S after the request.
+TRIM_DELAY_S = 0.2
+TRIM_INTERVAL_S = 1.0
+LARGE_FIELDS = 64  # a request with more entries than this in its repeated fields is large
 SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
@@ -225,7 +243,7 @@ class InferenceService:
                     "'config' (a config.json as a string) is the one parameter"
                 )
             try:
-                raw = json.loads(value)
+                raw = parse_config(value)  # bounded in size and depth: no RecursionError
             except (TypeError, ValueError) as e:
                 raise InvalidArgument(f"load parameter 'config' is not JSON: {e}") from None
             if not isinstance(raw, dict):
@@ -362,7 +380,8 @@ class InferenceService:
                 # What any request would be refused now is refused before its tensors are decoded:
                 # under overload, refusing is most of the work and must stay cheap.
                 model.admission.check(0, deadline)
-                inputs = self._decode(request)
+                _check_counts(request, model)
+                inputs = await self._decode(request, model)
                 outputs = [o.name for o in request.outputs]
                 result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline, trace)
             finally:
@@ -376,7 +395,11 @@ class InferenceService:
             outcome = response
         except ServingError as e:
             code = e.code
-            outcome = e
+            # Without its traceback (and the exception it replaced): the traceback's frames hold this one,
+            # whose `outcome` holds the error, a cycle that kept the request's message (up to
+            # --max-message-bytes) alive until a full garbage collection.
+            e.__context__ = e.__cause__ = None
+            outcome = e.with_traceback(None)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -407,18 +430,75 @@ class InferenceService:
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
             if model is not None:
                 model.answering -= 1
+            if code == "INVALID_ARGUMENT" or _large(request):
+                server.return_memory_later()
         return outcome
 
-    def _decode(self, request: Any) -> dict[str, np.ndarray]:
-        raw = list(request.raw_input_contents)
-        if raw and len(raw) != len(request.inputs):
-            raise InvalidArgument(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
-        inputs: dict[str, np.ndarray] = {}
-        for k, tensor in enumerate(request.inputs):
-            if tensor.name in inputs:
-                raise InvalidArgument(f"input {quote(tensor.name)} given twice")
-            inputs[tensor.name] = decode_tensor(tensor, raw[k] if raw else None, MAX_ELEMENTS)
-        return inputs
+    async def _decode(self, request: Any, model: Model) -> dict[str, np.ndarray]:
+        """The request's input tensors as arrays (counts checked by `_check_counts`). A large request is
+        decoded on a worker thread, a slice at a time, while the event loop goes on answering others."""
+        if sum(element_count(t) for t in request.inputs) > THREAD_ELEMENTS:
+            return await asyncio.to_thread(_decode_inputs, request, model)
+        return _decode_inputs(request, model)
+
+
+def _misnamed(names: Any, known: list[str], what: str, model: Model) -> str:
+    """Why a repeated field of `names` longer than `known` is refused: among its first len(known) + 1
+    entries, one is unknown or named twice (only those are read, however many the request holds)."""
+    seen: set[str] = set()
+    for k in range(len(known) + 1):
+        name = names[k].name
+        if name not in known:
+            return f"model '{model.name}' has no {what} {quote(name)} ({what}s: {', '.join(sorted(known))})"
+        if name in seen:
+            return f"{what} {quote(name)} given twice"
+        seen.add(name)
+    return ""  # unreachable: len(known) + 1 names among len(known)
+
+
+def _large(request: Any) -> bool:
+    """Whether a request's message held many fields or elements (len() alone, for the fields)."""
+    fields = len(request.inputs) + len(request.outputs) + len(request.raw_input_contents) + len(request.parameters)
+    return fields > LARGE_FIELDS or sum(element_count(t) for t in request.inputs) > THREAD_ELEMENTS
+
+
+def _check_counts(request: Any, model: Model) -> None:
+    """Every repeated field of the request checked against its limit on the message as received (its
+    length, which builds nothing), before any of it becomes Python objects."""
+    inputs = [s.name for s in model.inputs]
+    if len(request.inputs) > len(inputs):
+        raise InvalidArgument(
+            f"{len(request.inputs)} inputs, model '{model.name}' takes {len(inputs)}: "
+            f"{_misnamed(request.inputs, inputs, 'input', model)}"
+        )
+    raw = len(request.raw_input_contents)
+    if raw and raw != len(request.inputs):
+        raise InvalidArgument(f"{raw} raw_input_contents for {len(request.inputs)} inputs: give one per input")
+    outputs = [s.name for s in model.outputs]
+    if len(request.outputs) > len(outputs):
+        raise InvalidArgument(
+            f"{len(request.outputs)} outputs requested, model '{model.name}' has {len(outputs)}: "
+            f"{_misnamed(request.outputs, outputs, 'output', model)}"
+        )
+    if len(request.parameters) > MAX_PARAMETERS:
+        raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS}")
+
+
+def _decode_inputs(request: Any, model: Model) -> dict[str, np.ndarray]:
+    raw = request.raw_input_contents
+    known = {s.name for s in model.inputs}
+    inputs: dict[str, np.ndarray] = {}
+    for k, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if name in inputs:
+            raise InvalidArgument(f"input {quote(name)} given twice")
+        if name not in known:  # refused before its contents are decoded
+            raise InvalidArgument(
+                f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
+            )
+        contents = partial(raw.__getitem__, k) if len(raw) else None  # read once the shape passed its limits
+        inputs[name] = decode_tensor(tensor, contents, model.input_limits(name))
+    return inputs
 
 
 class Server:
@@ -441,6 +521,8 @@ class Server:
         self.metrics_port = 0
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
+        self._trim: asyncio.Task[None] | None = None  # memory handed back soon, after a large request
+        self._trimmed = 0.0  # monotonic time of the last hand-back
         self._http: Any = None  # service.rest.RestServer, when --http-port is not -1
 
     def _options(self) -> list[tuple[str, Any]]:
@@ -489,7 +571,7 @@ class Server:
         if s.metrics_port >= 0:
             metrics_host = s.metrics_host or s.host
             try:
-                self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port)
+                self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port, s.http_timeout)
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
         if s.http_port >= 0:
@@ -503,6 +585,22 @@ class Server:
             await self._http.start()
         for name in ["", *self.registry.ready_names()]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def return_memory_later(self) -> None:
+        """The heap's free pages handed back to the system shortly (once the request's message is gone)."""
+        if self._trim is None:
+            delay = max(TRIM_DELAY_S, self._trimmed + TRIM_INTERVAL_S - time.monotonic())
+            self._trim = asyncio.create_task(self._return_memory(delay))
+
+    async def _return_memory(self, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            # A refused call's message can sit in a reference cycle (its frames, via the abort's
+            # traceback) that only a collection frees; after gc.freeze a collection takes some 2 ms.
+            gc.collect()
+            await asyncio.to_thread(return_freed_memory)  # malloc_trim: ctypes lets go of the GIL
+        finally:
+            self._trimmed, self._trim = time.monotonic(), None
 
     async def drain(self) -> None:
         """Stop taking work, let admitted requests finish (up to the grace period), stop."""
@@ -522,6 +620,8 @@ class Server:
         if self._http is not None:
             await self._http.stop()
         await self.registry.close()
+        if self._trim is not None:
+            self._trim.cancel()
         if self.tracing is not None:  # export what is buffered, for tracing.SHUTDOWN_S at most
             await asyncio.to_thread(self.tracing.shutdown)
 

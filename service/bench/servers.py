@@ -42,7 +42,7 @@ __all__ = [
 def scrape(metrics_url: str) -> dict[str, float]:
     """Prometheus text -> {series: value} (enough for counters)."""
     out = {}
-    for line in urllib.request.urlopen(metrics_url, timeout=5).read().decode().splitlines():
+    for line in urllib.request.urlopen(metrics_url, timeout=30).read().decode().splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
