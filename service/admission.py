@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,7 +21,7 @@ from service.repository import BatchingConfig
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.tracing import RequestTrace
 
-__all__ = ["Admission", "BatchObserver", "NullObserver", "WorkItem", "why_gone"]
+__all__ = ["Admission", "BatchObserver", "NullObserver", "Queued", "WorkItem", "why_gone"]
 
 
 @dataclass(eq=False)
@@ -58,49 +59,97 @@ class NullObserver:
     def dropped(self, reason: str) -> None: ...
 
 
-class Admission:
-    """Bounded queue accounting and a throughput estimate for deadline-aware admission."""
+class Queued:
+    """What one class of work holds in the queue."""
 
-    def __init__(self, name: str, config: BatchingConfig, instances: int) -> None:
+    __slots__ = ("requests", "tokens")
+
+    def __init__(self) -> None:
+        self.requests = self.tokens = 0
+
+
+class Admission:
+    """Bounded queue accounting and a throughput estimate for deadline-aware admission.
+
+    Work may come in classes (`kinds`) that the scheduler serves in fair shares of its capacity,
+    as the generation scheduler serves greedy and beam decoding. A request then waits for its own
+    class's queue and, meanwhile, for at most as much of each other class's: its predicted wait
+    counts no more than that. Each class may also fill its share of the queue bounds whatever the
+    others hold, so that one class's backlog never refuses another's first request.
+    """
+
+    def __init__(self, name: str, config: BatchingConfig, instances: int, kinds: Sequence[str] = ("",)) -> None:
         self.name, self.config, self.instances = name, config, instances
         self.queued_requests = 0
         self.queued_tokens = 0
+        self.by_kind = {kind: Queued() for kind in kinds}
         self.tokens_per_second = 0.0  # all instances together, smoothed; 0 until measured
 
-    def admit(self, tokens: int, deadline: float | None) -> None:
-        """Reserve queue room for `tokens`, or raise the refusal."""
-        self.check(tokens, deadline)
+    def admit(self, tokens: int, deadline: float | None, kind: str = "") -> None:
+        """Reserve queue room for `tokens` of class `kind`, or raise the refusal."""
+        self.check(tokens, deadline, kind)
         self.queued_requests += 1
         self.queued_tokens += tokens
+        q = self.by_kind[kind]
+        q.requests += 1
+        q.tokens += tokens
 
-    def check(self, tokens: int, deadline: float | None) -> None:
-        """Raise the refusal a request of `tokens` would get now; with 0, a refusal any request would get."""
+    def check(self, tokens: int, deadline: float | None, kind: str | None = None) -> None:
+        """Raise the refusal a request of `tokens` of class `kind` would get now; with 0 tokens and no
+        class, a refusal any request would get."""
+        refusal: ServingError | None = None
+        for k in [kind] if kind is not None else self.by_kind:
+            error = self._refusal(tokens, deadline, k)
+            if error is None:
+                return
+            refusal = refusal or error
+        assert refusal is not None
+        raise refusal
+
+    def _refusal(self, tokens: int, deadline: float | None, kind: str) -> ServingError | None:
         c = self.config
-        if self.queued_requests + 1 > c.max_queue_requests or self.queued_tokens + tokens > c.max_queue_tokens:
-            raise ResourceExhausted(
+        q, share = self.by_kind[kind], len(self.by_kind)
+        over_requests = (
+            self.queued_requests + 1 > c.max_queue_requests and (q.requests + 1) * share > c.max_queue_requests
+        )
+        over_tokens = (
+            self.queued_tokens + tokens > c.max_queue_tokens and (q.tokens + tokens) * share > c.max_queue_tokens
+        )
+        if over_requests or over_tokens:
+            return ResourceExhausted(
                 f"model '{self.name}' is overloaded: {self.queued_requests} requests / {self.queued_tokens} tokens "
                 f"queued (limits {c.max_queue_requests} / {c.max_queue_tokens})",
-                retry_after_ms=self.predicted_wait_ms(tokens),
+                retry_after_ms=self._wait_ms(tokens, kind),
             )
         if self.tokens_per_second > 0:
-            wait = self.queued_tokens / self.tokens_per_second
+            wait = self.ahead(0, kind) / self.tokens_per_second
             if wait * 1e3 > c.max_queue_wait_ms:
-                raise ResourceExhausted(
+                return ResourceExhausted(
                     f"model '{self.name}' is overloaded: predicted queueing {wait * 1e3:.0f} ms exceeds "
                     f"{c.max_queue_wait_ms:.0f} ms",
-                    retry_after_ms=self.predicted_wait_ms(tokens),
+                    retry_after_ms=self._wait_ms(tokens, kind),
                 )
         if deadline is not None and self.tokens_per_second > 0:
-            wait = (self.queued_tokens + tokens) / self.tokens_per_second
+            wait = self.ahead(tokens, kind) / self.tokens_per_second
             if time.monotonic() + wait > deadline:
-                raise DeadlineExceeded(
+                return DeadlineExceeded(
                     f"model '{self.name}': the predicted wait of {wait * 1e3:.0f} ms exceeds the request's deadline",
-                    retry_after_ms=self.predicted_wait_ms(tokens),
+                    retry_after_ms=self._wait_ms(tokens, kind),
                 )
+        return None
 
-    def release(self, tokens: int) -> None:
+    def ahead(self, tokens: int, kind: str) -> int:
+        """The queued tokens served before the last of `tokens` of class `kind` would be: its class's,
+        and as many of each other class's (their fair share meanwhile), or all of theirs if fewer."""
+        mine = self.by_kind[kind].tokens + tokens
+        return mine + sum(min(q.tokens, mine) for k, q in self.by_kind.items() if k != kind)
+
+    def release(self, tokens: int, kind: str = "") -> None:
         self.queued_requests -= 1
         self.queued_tokens -= tokens
+        q = self.by_kind[kind]
+        q.requests -= 1
+        q.tokens -= tokens
 
     def measured(self, tokens: int, seconds: float, saturated: bool) -> None:
         """A batch's throughput; only batches run while work was waiting say what capacity is."""
@@ -114,11 +163,15 @@ class Admission:
         if seconds > 0 and not self.tokens_per_second:
             self.tokens_per_second = tokens / seconds * self.instances
 
-    def predicted_wait_ms(self, tokens: int) -> int:
-        """The retry hint; before any throughput is measured, the longest the queue means to hold anyone."""
+    def predicted_wait_ms(self, tokens: int, kind: str | None = None) -> int:
+        """The retry hint; before any throughput is measured, the longest the queue means to hold anyone.
+        With no class, the shortest of any class's."""
+        return min(self._wait_ms(tokens, k) for k in ([kind] if kind is not None else self.by_kind))
+
+    def _wait_ms(self, tokens: int, kind: str) -> int:
         if not self.tokens_per_second:
             return max(1, int(self.config.max_queue_wait_ms))
-        return max(1, int((self.queued_tokens + tokens) / self.tokens_per_second * 1e3))
+        return max(1, int(self.ahead(tokens, kind) / self.tokens_per_second * 1e3))
 
 
 def why_gone(item: WorkItem, now: float, observer: BatchObserver) -> ServingError | None:

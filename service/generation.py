@@ -24,7 +24,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["CACHE_GROWTH", "DecodingBatch", "Hypothesis", "StepModel", "beam_search", "cache_capacity", "greedy_decode"]
+__all__ = [
+    "CACHE_GROWTH",
+    "BeamSearch",
+    "DecodingBatch",
+    "Hypothesis",
+    "StepModel",
+    "beam_search",
+    "cache_capacity",
+    "greedy_decode",
+]
 
 
 class StepModel(Protocol):
@@ -275,38 +284,78 @@ def beam_search(
     with_attention: bool = False,
     on_word: Callable[[int, Hypothesis], None] | None = None,
 ) -> list[Hypothesis]:
-    """Beam search for every source at once: words x beams rows in one batch.
+    """Beam search for every source at once: words x beams rows in one batch (see `BeamSearch`);
+    `on_word(index, best)` hears of each word as soon as it is done."""
+    search = BeamSearch(model, sources, beam_size, max_len, bos_id, eos_id, with_attention)
+    while len(search):
+        for w, best in search.step():
+            if on_word is not None:
+                on_word(w, best)
+    return search.results()
+
+
+class BeamSearch:
+    """A beam search over several words, advanced one step at a time: words x beams rows.
 
     Finished hypotheses are ranked by log-probability per token (length-normalised). A word's rows
-    leave the batch once it has `beam_size` finished hypotheses, and `on_word(index, best)` hears
-    of it then, so that others' longer words hold up neither its answer nor the batch's cost.
+    leave the batch once it has `beam_size` finished hypotheses, and `step` returns it then, so that
+    others' longer words hold up neither its answer nor the batch's cost. Stepping it a step at a
+    time lets a scheduler interleave its steps with other work on the same model.
     """
-    n, k = len(sources), beam_size
-    ids, mask = pad_ids(sources)
-    ck, cv = model.encode(ids, mask)
-    rows = np.repeat(np.arange(n), k)  # row r decodes word alive[r // k]
-    ck, cv, memory_mask = ck[:, rows], cv[:, rows], mask[rows]
-    layers, _, heads, _, d_k = ck.shape
-    cache_k = np.zeros((layers, n * k, heads, cache_capacity(1), d_k), dtype=ck.dtype)
-    cache_v = cache_k.copy()
-    tokens = np.full((n * k, 1), bos_id, dtype=np.int64)
-    scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], n)  # only beam 0 is alive at first
-    attention = np.zeros((n * k, 0, ids.shape[1]), dtype=np.float32)
-    finished: list[list[tuple[float, list[int], np.ndarray]]] = [[] for _ in range(n)]
-    out: list[Hypothesis | None] = [None] * n
-    alive = list(range(n))  # the words still searching, in row order
-    for t in range(max_len + 1):
-        cache_mask = np.zeros((len(tokens), cache_k.shape[3]), dtype=np.int64)
+
+    def __init__(
+        self,
+        model: StepModel,
+        sources: Sequence[Sequence[int]],
+        beam_size: int,
+        max_len: int,
+        bos_id: int = 1,
+        eos_id: int = 2,
+        with_attention: bool = False,
+    ) -> None:
+        n, k = len(sources), beam_size
+        self.model, self.sources, self.k, self.max_len = model, sources, k, max_len
+        self.bos_id, self.eos_id, self.with_attention = bos_id, eos_id, with_attention
+        ids, mask = pad_ids(sources)
+        ck, cv = model.encode(ids, mask)
+        rows = np.repeat(np.arange(n), k)  # row r decodes word alive[r // k]
+        self.ck, self.cv, self.memory_mask = ck[:, rows], cv[:, rows], mask[rows]
+        layers, _, heads, _, d_k = ck.shape
+        self.cache_k = np.zeros((layers, n * k, heads, cache_capacity(1), d_k), dtype=ck.dtype)
+        self.cache_v = self.cache_k.copy()
+        self.tokens = np.full((n * k, 1), bos_id, dtype=np.int64)
+        self.scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], n)  # only beam 0 is alive at first
+        self.attention = np.zeros((n * k, 0, ids.shape[1]), dtype=np.float32)
+        self.finished: list[list[tuple[float, list[int], np.ndarray]]] = [[] for _ in range(n)]
+        self.out: list[Hypothesis | None] = [None] * n
+        self.alive = list(range(n))  # the words still searching, in row order
+        self.t = 0  # the next step's position
+
+    def __len__(self) -> int:
+        """Rows the next step computes: words still searching x beams; 0 once every word is done."""
+        return len(self.alive) * self.k
+
+    def results(self) -> list[Hypothesis]:
+        """The best hypothesis of each word done so far, in source order."""
+        return [h for h in self.out if h is not None]
+
+    def step(self) -> list[tuple[int, Hypothesis]]:
+        """Advance every live beam by one token; return the words done at this step, with their best."""
+        t, k, alive, eos_id = self.t, self.k, self.alive, self.eos_id
+        tokens, scores, attention = self.tokens, self.scores, self.attention
+        # The caches are used through self only: an old one is freed as soon as its copy replaces it.
+        cache_mask = np.zeros((len(tokens), self.cache_k.shape[3]), dtype=np.int64)
         cache_mask[:, :t] = 1
         positions = np.full(len(tokens), t, dtype=np.int64)
-        log_probs, new_k, new_v, attn = model.step(
-            tokens[:, -1], positions, cache_k, cache_v, cache_mask, ck, cv, memory_mask
+        log_probs, new_k, new_v, attn = self.model.step(
+            tokens[:, -1], positions, self.cache_k, self.cache_v, cache_mask, self.ck, self.cv, self.memory_mask
         )
-        cache_k[:, :, :, t], cache_v[:, :, :, t] = new_k, new_v
+        self.cache_k[:, :, :, t], self.cache_v[:, :, :, t] = new_k, new_v
         vocab = log_probs.shape[1]
         total = (scores[:, None] + log_probs).reshape(len(alive), k * vocab)  # (words, beams x V)
         top = np.argsort(-total, axis=1)[:, : 2 * k]
         new_rows, new_tokens, new_scores, staying = [], [], [], []
+        done: list[tuple[int, Hypothesis]] = []
         for a, w in enumerate(alive):
             kept: list[tuple[int, int, float]] = []
             for flat in top[a]:
@@ -314,19 +363,19 @@ def beam_search(
                 parent, token = a * k + flat // vocab, int(flat % vocab)
                 if not np.isfinite(score):
                     break
-                if token == eos_id or t == max_len:
+                if token == eos_id or t == self.max_len:
                     hist = np.concatenate([attention[parent], attn[parent][None]], axis=0)
                     seq = [*tokens[parent, 1:].tolist(), *([token] if token != eos_id else [])]
-                    if len(finished[w]) < k:
-                        finished[w].append((score / (t + 1), seq, hist))
+                    if len(self.finished[w]) < k:
+                        self.finished[w].append((score / (t + 1), seq, hist))
                     continue
                 kept.append((parent, token, score))
                 if len(kept) == k:
                     break
-            if len(finished[w]) >= k or t == max_len:  # this word is done: its rows leave
-                best = out[w] = _best(finished[w], sources[w], max_len, bos_id, eos_id, with_attention, tag=w)
-                if on_word is not None:
-                    on_word(w, best)
+            if len(self.finished[w]) >= k or t == self.max_len:  # this word is done: its rows leave
+                best = self.out[w] = _best(self.finished[w], self.sources[w], self.max_len, self.bos_id, eos_id,
+                                           self.with_attention, tag=w)  # fmt: skip
+                done.append((w, best))
                 continue
             kept += [(a * k, eos_id, -np.inf)] * (k - len(kept))  # keep k rows a word: dead beams score -inf
             staying.append(w)
@@ -334,19 +383,19 @@ def beam_search(
                 new_rows.append(parent)
                 new_tokens.append(token)
                 new_scores.append(score)
+        self.t, self.alive = t + 1, staying
         if not staying:
-            break
+            return done
         idx = np.asarray(new_rows)
-        tokens = np.concatenate([tokens[idx], np.asarray(new_tokens)[:, None]], axis=1)
-        scores = np.asarray(new_scores)
+        self.tokens = np.concatenate([tokens[idx], np.asarray(new_tokens)[:, None]], axis=1)
+        self.scores = np.asarray(new_scores)
         # the surviving beams' caches, in one copy each, with room for the next slot
-        cache_k = _gather_rows(cache_k[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
-        cache_v = _gather_rows(cache_v[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
-        attention = np.concatenate([attention[idx], attn[idx][:, None]], axis=1)
+        self.cache_k = _gather_rows(self.cache_k[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
+        self.cache_v = _gather_rows(self.cache_v[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
+        self.attention = np.concatenate([attention[idx], attn[idx][:, None]], axis=1)
         if len(staying) < len(alive):  # a word's beams share its memory: gather only when words left
-            ck, cv, memory_mask = ck[:, idx], cv[:, idx], memory_mask[idx]
-        alive = staying
-    return [h for h in out if h is not None]
+            self.ck, self.cv, self.memory_mask = self.ck[:, idx], self.cv[:, idx], self.memory_mask[idx]
+        return done
 
 
 def _best(

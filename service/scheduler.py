@@ -3,8 +3,11 @@
 One decoding thread per model instance keeps its own `DecodingBatch` (service.generation) and
 steps it without returning to the event loop. A finished word leaves at once, and its request
 is answered as soon as all its words are done; waiting words join the running batch at the next
-step (continuous), or only once it is empty (static). Beam requests decode together in a batch
-of their own. Admission (bounded queue, deadlines) is `service.admission`.
+step (continuous), or only once it is empty (static). Beam requests decode together in a beam
+search of their own, which the thread steps in turn with the greedy batch: the two classes share
+the decoding steps by cost (rows per step, words x beams for a beam search), the one served less
+going next (`FairShare`), so that neither waits behind the other without bound. Admission
+(bounded queue, deadlines; each class its fair share) is `service.admission`.
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from service import priority
 from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, Unavailable
-from service.generation import DecodingBatch, Hypothesis, StepModel, beam_search
+from service.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
 from service.repository import BatchingConfig
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import Tracing
+    from service.tracing import BatchSpan, Tracing
 
-__all__ = ["GenerationScheduler", "WordsRequest"]
+__all__ = ["BEAM", "GREEDY", "FairShare", "GenerationScheduler", "WordsRequest"]
 
 log = logging.getLogger("qkv.scheduler")
 
@@ -41,6 +44,62 @@ class WordsRequest:
     with_attention: bool = False
     results: list[Hypothesis | None] = field(default_factory=list)
     remaining: int = 0
+
+
+Work = Literal["greedy", "beam"]
+GREEDY: Work = "greedy"
+BEAM: Work = "beam"
+
+
+def kind_of(item: WorkItem) -> Work:
+    """The class a g2p request queues and decodes in."""
+    return BEAM if item.payload.beam_size > 1 else GREEDY
+
+
+class FairShare:
+    """Which class of work an instance steps next: greedy or beam, weighted-fair by cost.
+
+    A step's cost is its rows (a beam search's: words still searching x beams), about the compute it
+    takes. While both classes have work, the one served less cost goes next, a tie to greedy (its
+    steps are the short ones). Only steps taken while both had work are counted, and the count
+    restarts whenever one has none: a class banks no credit while the other runs alone. So neither
+    is ever more than one step's cost ahead of the other: between two of its steps, a greedy batch
+    waits for at most (largest greedy step + largest beam step) of beam cost, and a beam search as
+    much of greedy cost.
+    """
+
+    __slots__ = ("contended", "lead")
+
+    def __init__(self) -> None:
+        self.lead = 0  # cost served to beam work minus cost served to greedy work, while both had work
+        self.contended = False  # whether both had work at the last choice
+
+    def choose(self, greedy: bool, beam: bool) -> Work | None:
+        """The class to step next, given whether each has work now; None when neither has."""
+        self.contended = greedy and beam
+        if not self.contended:
+            self.lead = 0
+            return GREEDY if greedy else BEAM if beam else None
+        return GREEDY if self.lead >= 0 else BEAM
+
+    def charge(self, work: Work, cost: int) -> None:
+        """A step of `work` of `cost` rows ran (the one chosen last)."""
+        if self.contended:
+            self.lead += cost if work == BEAM else -cost
+
+
+@dataclass(eq=False)
+class _Beams:
+    """A beam search running on an instance, stepped in turn with its greedy batch."""
+
+    search: BeamSearch
+    items: list[WorkItem]
+    owners: list[tuple[WorkItem, int]]  # each word's request and index in it
+    rows: int
+    padded: int
+    real: int
+    span: BatchSpan | None
+    seconds: float = 0.0  # compute so far, encoding included
 
 
 class GenerationScheduler:
@@ -61,14 +120,13 @@ class GenerationScheduler:
     ) -> None:
         self.name, self.config, self.models = name, config, list(models)
         self.observer = observer or NullObserver()
-        self.admission = Admission(name, config, len(self.models))
+        self.admission = Admission(name, config, len(self.models), kinds=(GREEDY, BEAM))
         self.queue: list[WorkItem] = []  # requests not yet admitted into a batch
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._stopping = False
-        self._drainer: int | None = None  # the instance letting its batch run dry for waiting beams
         self.tracer: Tracing | None = None  # set by a server that traces requests
 
     def start(self) -> None:
@@ -86,7 +144,7 @@ class GenerationScheduler:
         req.results = [None] * len(req.sources)
         req.remaining = len(req.sources)
         with self._lock:
-            self.admission.admit(item.tokens, item.deadline)
+            self.admission.admit(item.tokens, item.deadline, kind_of(item))
             if item.trace is not None:
                 item.trace.admitted(self.admission)
             self.queue.append(item)
@@ -126,7 +184,7 @@ class GenerationScheduler:
 
     def _pop(self, item: WorkItem) -> None:
         self.queue.remove(item)
-        self.admission.release(item.tokens)
+        self.admission.release(item.tokens, kind_of(item))
         self.observer.queue_depth(len(self.queue))
 
     def _gone(self, item: WorkItem, now: float) -> bool:
@@ -194,18 +252,9 @@ class GenerationScheduler:
                 break
         return taken
 
-    def _drains_for_beams(self, instance: int) -> bool:
-        """Whether this instance should take no one into its batch, so that it runs dry for the waiting
-        beam requests. They start only on an empty batch, and under continuous load a batch may never
-        empty. Once the oldest has waited max_queue_delay_ms, one instance stops taking joins."""
-        oldest = next((x for x in self.queue if x.payload.beam_size > 1), None)
-        if oldest is None:
-            if self._drainer == instance:
-                self._drainer = None
-            return False
-        if self._drainer is None and time.monotonic() - oldest.arrived >= self.config.max_queue_delay_ms / 1e3:
-            self._drainer = instance
-        return self._drainer == instance
+    def _waiting(self, work: Work) -> bool:
+        """Under the lock: whether a request of class `work` is queued."""
+        return any(kind_of(x) == work for x in self.queue)
 
     def _finish(self, finished: list[Hypothesis]) -> None:
         """Record finished words; answer the requests whose words are now all done."""
@@ -225,22 +274,39 @@ class GenerationScheduler:
         priority.lower_this_thread(slot)
         model = self.models[instance]
         batch = DecodingBatch(model)
+        beams: _Beams | None = None
+        share = FairShare()
         tracer = self.tracer
         company = tracer.join_counter() if tracer is not None else None
         kind = "continuous" if self.config.continuous and self.config.enabled else "static"
         while True:
+            taken: list[WorkItem] = []
+            new: list[Hypothesis] = []
             with self._lock:
-                while not len(batch) and not self.queue and not self._stopping:
+                while not len(batch) and beams is None and not self.queue and not self._stopping:
                     self._lock.wait()
-                if self._stopping and not len(batch) and not self.queue:
+                if self._stopping and not len(batch) and beams is None and not self.queue:
                     return
-                beams = [] if len(batch) else self._next_beams()
-                new = [] if beams or self._drains_for_beams(instance) else self._admit_into(batch)
-                if not beams and not new and not len(batch):
-                    self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. only beams, taken elsewhere
+                beam_ready = beams is not None or self._waiting(BEAM)
+                work = share.choose(bool(len(batch)) or self._waiting(GREEDY), beam_ready)
+                if work == GREEDY:
+                    new = self._admit_into(batch)
+                    if not new and not len(batch):  # the words went to another instance, or are gone
+                        work = BEAM if beam_ready else None
+                if work == BEAM and beams is None:
+                    taken = self._next_beams()
+                    if not taken:
+                        work = None
+                if work is None:
+                    self._lock.wait(self.config.max_queue_delay_ms / 1e3)  # e.g. work taken elsewhere
                     continue
-            if beams:
-                self._run_beams(beams, model, instance)
+            if work == BEAM:
+                if beams is None:
+                    beams = self._start_beams(taken, model, instance)
+                if beams is not None:
+                    cost = len(beams.search)
+                    beams = self._step_beams(beams)
+                    share.charge(BEAM, cost)
                 continue
             start = time.monotonic()
             joining = None
@@ -261,6 +327,7 @@ class GenerationScheduler:
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
+            share.charge(GREEDY, rows)
             if company is not None:
                 if joining is not None:
                     joining.close(rows, padded, real)
@@ -274,37 +341,61 @@ class GenerationScheduler:
         """Under the lock: whether a step of `rows` ran at capacity, words waiting that could not join it.
         In a continuous batch, waiting words join at the next step while there is room, so a step of a
         partial batch says little of capacity: its words per second would predict waits many times too
-        long (189 ms predicted, 3 ms queued, seen in a trace)."""
+        long (189 ms predicted, 3 ms queued, seen in a trace). A beam search's step of as many rows
+        while work waits says as much: its rows cost about what a greedy batch's do."""
         c = self.config
         return bool(self.queue) and (rows >= c.max_batch_size or not (c.enabled and c.continuous))
 
-    def _run_beams(self, items: list[WorkItem], model: StepModel, instance: int) -> None:
-        """One beam search over the words of all `items`; each request is answered as soon as its
-        own words are done."""
+    def _start_beams(self, items: list[WorkItem], model: StepModel, instance: int) -> _Beams | None:
+        """A beam search over the words of all `items` (they share beam width and output limit),
+        encoded; None when it failed (its requests answered with the error)."""
         reqs: list[WordsRequest] = [x.payload for x in items]
         sources = [s for req in reqs for s in req.sources]
         owners = [(item, j) for item, req in zip(items, reqs, strict=True) for j in range(len(req.sources))]
-
-        def on_word(index: int, best: Hypothesis) -> None:
-            best.tag = owners[index]
-            self._finish([best])
-
         k, limit = reqs[0].beam_size, reqs[0].max_output_length
         lengths = [len(s) for s in sources]
         rows, padded, real = len(sources) * k, len(sources) * max(lengths), sum(lengths)
-        start = time.monotonic()
         span = self.tracer.open_batch(self.name, items, instance, "beam") if self.tracer is not None else None
+        start = time.monotonic()
         try:
-            beam_search(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs), on_word)
+            search = BeamSearch(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs))
         except Exception as e:
-            log.error("model '%s': beam search failed: %s", self.name, e)
-            error = Internal(f"model '{self.name}' failed on this request: {e}")
-            self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
-            return
-        finally:
-            if span is not None:
-                span.close(rows, padded, real)
-        self.observer.batch(rows, padded, real, time.monotonic() - start)
+            self._beams_failed(items, span, rows, padded, real, e)
+            return None
+        return _Beams(search, items, owners, rows, padded, real, span, time.monotonic() - start)
+
+    def _step_beams(self, beams: _Beams) -> _Beams | None:
+        """One step of a running beam search: its requests whose words are all done are answered.
+        The search, or None once it is done (or failed)."""
+        rows = len(beams.search)
+        start = time.monotonic()
+        try:
+            done = beams.search.step()
+        except Exception as e:
+            self._beams_failed(beams.items, beams.span, beams.rows, beams.padded, beams.real, e)
+            return None
+        seconds = time.monotonic() - start
+        beams.seconds += seconds
+        for w, best in done:
+            best.tag = beams.owners[w]
+        self._finish([best for _, best in done])
+        with self._lock:
+            self.admission.measured(rows, seconds, saturated=self._full(rows))
+        if len(beams.search):
+            return beams
+        if beams.span is not None:
+            beams.span.close(beams.rows, beams.padded, beams.real)
+        self.observer.batch(beams.rows, beams.padded, beams.real, beams.seconds)
+        return None
+
+    def _beams_failed(
+        self, items: list[WorkItem], span: BatchSpan | None, rows: int, padded: int, real: int, e: Exception
+    ) -> None:
+        log.error("model '%s': beam search failed: %s", self.name, e)
+        error = Internal(f"model '{self.name}' failed on this request: {e}")
+        self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
+        if span is not None:
+            span.close(rows, padded, real)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

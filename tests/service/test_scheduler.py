@@ -154,8 +154,8 @@ def test_waiting_beam_requests_decode_together_and_each_is_answered_when_its_wor
 def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
     g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary],
 ) -> None:
-    """Beam search starts only on an empty batch. With more greedy words waiting than a batch holds,
-    joins come every step and the batch never empties, unless an instance lets it run dry."""
+    """With more greedy words waiting than a batch holds, joins come every step and the greedy batch
+    never empties: the beam search runs beside it, its steps taking turns with the batch's."""
     model, graphemes = g2p_graphs
     words = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
     (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
