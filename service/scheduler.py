@@ -146,7 +146,7 @@ class GenerationScheduler:
         with self._lock:
             self.admission.admit(item.tokens, item.deadline, kind_of(item))
             if item.trace is not None:
-                item.trace.admitted(self.admission)
+                item.trace.admitted(self.admission, kind_of(item))
             self.queue.append(item)
             self.observer.queue_depth(len(self.queue))
             self._lock.notify()

@@ -299,11 +299,12 @@ class RequestTrace:
         wall, mono = self.anchor
         return wall + int((t - mono) * 1e9)
 
-    def admitted(self, admission: Admission) -> None:
-        """Admitted into a queue: the wait the queue predicts (unknown until throughput is measured)."""
+    def admitted(self, admission: Admission, kind: str = "") -> None:
+        """Admitted into a queue of class `kind`: the wait the queue predicts for it (its class's queue and its
+        fair share of the others'; unknown until throughput is measured)."""
         self.admitted_at = time.monotonic()
         rate = admission.tokens_per_second
-        self.predicted_wait_ms = admission.queued_tokens / rate * 1e3 if rate else None
+        self.predicted_wait_ms = admission.ahead(0, kind) / rate * 1e3 if rate else None
 
     def finished(self, req: WordsRequest) -> None:
         """All of a g2p request's words are decoded (on the decoding thread, before it is answered)."""
