@@ -102,7 +102,12 @@ class ServerSettings:
 
 
 def _parse_bool(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("", "0", "false", "no", "off"):  # empty: unset, as for every other setting
+        return False
+    raise ValueError(value)
 
 
 def _convert(kind: str, value: str) -> Any:
@@ -120,7 +125,11 @@ def _convert(kind: str, value: str) -> Any:
 
 
 def _converter(kind: str) -> Callable[[str], Any]:
-    return lambda value: _convert(kind, value)
+    def convert(value: str) -> Any:
+        return _convert(kind, value)
+
+    convert.__name__ = kind  # argparse names it in its error: "invalid int value: 'abc'"
+    return convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +161,10 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
         if given is not None:
             values[f.name] = tuple(given) if isinstance(given, list) else given
         elif env is not None:
-            value = _convert(str(f.type), env)
+            try:
+                value = _convert(str(f.type), env)
+            except ValueError:
+                raise SystemExit(f"QKV_{f.name.upper()}={env!r}: not a valid {f.type} value") from None
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise SystemExit(f"QKV_{f.name.upper()}={env!r}: choose from {', '.join(choices)}")

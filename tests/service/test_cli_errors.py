@@ -5,6 +5,7 @@ prints the name of no file it did not write."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from tests.conftest import ROOT
 FREE_PORTS = ("--grpc-port", "0", "--http-port", "0", "--metrics-port", "0")
 
 
-def qkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def qkv(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args],
         capture_output=True,
@@ -26,6 +27,7 @@ def qkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         cwd=ROOT,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -80,6 +82,23 @@ def test_a_command_refuses_what_it_cannot_use_in_one_line_with_status_2(case: st
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"qkv {command}: "), lines[0]
     assert named.format_map(files) in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [("QKV_MAX_MESSAGE_BYTES", "abc", "QKV_MAX_MESSAGE_BYTES='abc'"), ("QKV_TRACING", "ture", "QKV_TRACING='ture'"),
+     ("QKV_DEVICE", "tpu", "QKV_DEVICE='tpu'")],
+)  # fmt: skip
+def test_a_bad_environment_value_stops_serve_in_one_line_naming_it(variable: str, value: str, named: str) -> None:
+    done = qkv("serve", *FREE_PORTS, env={variable: value})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("qkv serve: ") and named in line, line
+
+
+def test_a_flag_value_of_the_wrong_type_is_named_by_its_type() -> None:
+    done = qkv("serve", *FREE_PORTS, "--grpc-port", "abc")
+    assert done.returncode == 2 and "invalid int value: 'abc'" in done.stderr, done.stderr
 
 
 def printed_paths(text: str, under: Path) -> list[Path]:
