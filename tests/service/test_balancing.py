@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -56,21 +55,21 @@ def test_max_connection_age_makes_clients_reconnect(tmp_path: Path) -> None:
     s = start_server(["--max-connection-age", "1", "--grace-period", "30"], tmp_path / "log")
     try:
         states: list[grpc.ChannelConnectivity] = []
-        on: Counter[int] = Counter()  # requests answered, by the connection (its READY, counted) they went on
+        answered = after_two_reconnections = 0
         with grpc.insecure_channel(s.url) as ch:
             ch.subscribe(states.append, try_to_connect=True)
             stub = protocol.Stub(ch)
             deadline = time.monotonic() + WAIT
-            # Requests until one is answered on a third connection: each connection is closed at its age
-            # (1 s), and the client reconnects; every request must be answered across the reconnections.
-            while not on[3]:
-                assert time.monotonic() < deadline, f"no answer on a third connection within {WAIT:g} s: {states}"
-                connection = states.count(grpc.ChannelConnectivity.READY)
+            # Requests until one is answered after the client's third connection came up: each connection is
+            # closed at its age (1 s) and the client reconnects; every request is answered (one that failed
+            # would raise here), whichever connection it started or ended on.
+            while not after_two_reconnections:
+                assert time.monotonic() < deadline, f"no third connection within {WAIT:g} s: {states}"
                 stub.ModelInfer(g2p_request(["hello"]), timeout=WAIT, wait_for_ready=True)
-                if states.count(grpc.ChannelConnectivity.READY) == connection:  # no reconnection meanwhile
-                    on[connection] += 1
+                answered += 1
+                after_two_reconnections += states.count(grpc.ChannelConnectivity.READY) >= 3
                 time.sleep(0.05)
             ch.unsubscribe(states.append)
-        assert on[1] > 0 and on[2] > 0 and on[3] > 0, on  # served on each connection: reconnecting cost none
+        assert states.count(grpc.ChannelConnectivity.READY) >= 3 and answered >= 2, (answered, states)
     finally:
         stop_server(s)

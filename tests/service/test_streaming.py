@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -14,8 +15,9 @@ import pytest
 import tritonclient.grpc as g
 
 from service import protocol
+from service.bench import variant
 from service.loadgen import encoder_request, g2p_word_request
-from tests.conftest import RunningServer
+from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import model_stats
 from tests.service.test_protocol import encoder_inputs, text_input
 
@@ -56,18 +58,33 @@ def test_tritonclient_stream_answers_each_request_as_it_gets_alone(server: Runni
             np.testing.assert_allclose(streamed, expected, atol=1e-5, err_msg=rid)
 
 
+@pytest.fixture(scope="module")
+def one_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """g2p_encoder on one instance, never computing on the event loop, and queueing bounded by the queue's
+    size alone: while its instance computes one request of a stream, the stream's next ones queue, so the
+    decisions below do not hang on how fast this machine reads a stream or computes a batch."""
+    scratch = tmp_path_factory.mktemp("streaming")
+    one = {
+        "instances": 1,
+        "batching": {"inline_max_tokens": 0, "max_queue_wait_ms": 600_000, "max_queue_tokens": 65536},
+    }
+    s = start_server(["--model-repository", str(variant(MODELS, scratch / "models", {"g2p_encoder": one}))],
+                     scratch / "server.log")  # fmt: skip
+    yield s
+    stop_server(s)
+
+
 def _statistics(stub: Any, model: str) -> tuple[int, int]:
     stats = model_stats(stub, model)
     return stats.inference_count, stats.execution_count
 
 
-def test_one_streams_requests_run_together(server: RunningServer) -> None:
+def test_one_streams_requests_run_together(one_instance: RunningServer) -> None:
     """Requests sent back to back on one stream are in flight at once, so they share batches:
     fewer runs than requests. (Answered one at a time, every request would be a run of its own.)"""
+    server = one_instance
     rng = np.random.default_rng(1)
-    # 64 tokens: far more compute than a hand-off (never computed inline, alone), and several fit one
-    # batch's token budget
-    requests = [encoder_request(64, 33, rng) for _ in range(48)]
+    requests = [encoder_request(64, 33, rng) for _ in range(48)]  # several fit one batch's token budget
     for i, r in enumerate(requests):
         r.id = str(i)
     with grpc.insecure_channel(server.url) as channel:
@@ -105,13 +122,14 @@ def test_a_message_that_is_not_a_request_ends_the_stream_after_what_came_before(
         assert protocol.Stub(channel).ModelInfer(good, timeout=10).outputs  # the server serves on
 
 
-def test_a_client_that_stops_reading_stops_being_read(server: RunningServer) -> None:
+def test_a_client_that_stops_reading_stops_being_read(one_instance: RunningServer) -> None:
     """Requests past the stream's window wait in the transport, not in the server's memory, until the
     client reads its answers; then every one is answered."""
     from service.server import STREAM_WINDOW
 
+    server = one_instance
     rng = np.random.default_rng(2)
-    n = STREAM_WINDOW + 200  # within the queue limits (32768 tokens): none is refused
+    n = STREAM_WINDOW + 200  # within the queue limits (65536 tokens, no wait objective): none is refused
     requests = [encoder_request(64, 33, rng) for _ in range(n)]  # 49 KB answers: the transport fills fast
     for i, r in enumerate(requests):
         r.id = str(i)
