@@ -1,7 +1,8 @@
 """The two model kinds, protocol-free: numpy arrays in, numpy arrays out, through a batcher.
 
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
-  padded along the sequence axis, each request given back its own slice of every output.
+  padded along the sequence axis, each request given back its own slice of every output; a graph
+  without a batch axis (max_batch_size 0) runs each request alone, its outputs whole.
 - `G2PModel`: TEXT -> PHONEMES (and ATTENTION on request), each word decoded on the shared
   continuous batch.
 """
@@ -97,6 +98,45 @@ def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model
     return inputs
 
 
+def _has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
+    """Whether axis 0 of every input and output is a batch axis, as Triton decides it: max_batch_size 0 in
+    config.json says there is none (shapes are served as declared); above 0, there is one and the graph must
+    leave it dynamic; not given, there is one when every first dimension is dynamic (Triton's autocomplete)."""
+    fixed = next((s for s in specs if not (s.shape and s.shape[0] < 0)), None)
+    if "max_batch_size" not in config.batching_given:
+        return fixed is None
+    size = config.batching.max_batch_size
+    where = f"model '{config.name}' version {config.version}"
+    if size < 0:
+        raise RepositoryError(f"{where}: max_batch_size must be >= 0 (0: the model has no batch axis), got {size}")
+    if size > 0 and fixed is not None:
+        first = f"first dimension {fixed.shape[0]}" if fixed.shape else "no dimension (a scalar)"
+        raise RepositoryError(
+            f"{where}: max_batch_size {size} needs a dynamic batch axis 0 on every input and output, but "
+            f"'{fixed.name}' has {first} (shape {list(fixed.shape)}); set max_batch_size 0 to serve the shapes "
+            "as declared, without a batch axis"
+        )
+    return size > 0
+
+
+def _as_strings(array: np.ndarray, name: str, model: str) -> np.ndarray:
+    """BYTES elements -> Python str, UTF-8 decoded: onnxruntime takes a string tensor as str (a bytes
+    element would reach the graph as its repr, b'...')."""
+    out = np.empty(array.size, dtype=np.object_)
+    for i, x in enumerate(array.reshape(-1)):
+        if isinstance(x, str):
+            out[i] = x
+            continue
+        try:
+            out[i] = bytes(x).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(
+                f"input '{name}' element {i} is not valid UTF-8 (byte {e.start}): model '{model}' takes it as a "
+                "string tensor"
+            ) from None
+    return out.reshape(array.shape)
+
+
 def _stack(parts: list[np.ndarray], axis: int | None, longest: int) -> np.ndarray:
     """Requests' arrays as one batch, zero-padded along the sequence `axis` (if any) to `longest`.
 
@@ -127,8 +167,7 @@ class TensorModel:
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
         self.answering = 0  # requests between their lookup and their answer (the server counts them)
-        # Batchable when every input and output has a dynamic first axis.
-        self.batchable = all(s.shape and s.shape[0] < 0 for s in [*self.inputs, *self.outputs])
+        self.batchable = _has_batch_axis(config, [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
         self._seq_names = {
             s.axes[self.sequence_axis]
@@ -192,7 +231,10 @@ class TensorModel:
                 dims[0] = rows
             if self._on_sequence_axis(s):
                 dims[self.sequence_axis] = length  # type: ignore[index]
-            feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
+            if s.datatype == "BYTES":  # "1": a string a graph may also parse as a number
+                feeds[s.name] = np.full(dims, "1", dtype=np.object_)
+            else:
+                feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
         return feeds
 
     def _batch_of(self, length: int, rows: int) -> None:
@@ -267,6 +309,10 @@ class TensorModel:
             if a is not None and a.size and (a.min() < 0 or a.max() >= size):
                 bad = int(a.min()) if a.min() < 0 else int(a.max())
                 raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
+        feeds = {
+            s.name: _as_strings(feeds[s.name], s.name, self.name) if s.datatype == "BYTES" else feeds[s.name]
+            for s in self.inputs
+        }
         loop = asyncio.get_running_loop()
         item = WorkItem(
             rows=n,
@@ -294,6 +340,8 @@ class TensorModel:
         return results
 
     def _run_group(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+        if not self.batchable:  # no batch axis: nothing to stack or cut, each request is a batch of its own
+            return [self._run_alone(x, instance) for x in items]
         t0 = time.perf_counter_ns()
         longest = max(x.length for x in items)
         feeds = {}
@@ -317,6 +365,13 @@ class TensorModel:
             start += x.rows
         self._account(sum(x.rows for x in items), time.perf_counter_ns() - t0)
         return out
+
+    def _run_alone(self, item: WorkItem, instance: int) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter_ns()
+        wanted = [o.name for o in self.outputs if o.name in item.payload[1]]
+        arrays = self.runtime.run(instance, item.payload[0], wanted)
+        self._account(1, time.perf_counter_ns() - t0)
+        return dict(zip(wanted, arrays, strict=True))
 
     def _account(self, rows: int, ns: int) -> None:
         s = self.stats
