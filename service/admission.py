@@ -3,8 +3,9 @@ request that is gone.
 
 Both schedulers (`service.batching` for tensor models, `service.scheduler` for generation) queue
 `WorkItem`s under the same rules: bounded requests and tokens, and a deadline-aware refusal from
-the measured throughput. A request whose client left or whose deadline passed is dropped before
-it is computed, and counted.
+the measured throughput. A request that could not be queued even on an empty queue is refused as
+invalid (retrying cannot help), not as overload. A request whose client left or whose deadline passed
+is dropped before it is computed, and counted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from service.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServingError
+from service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServingError
 from service.repository import BatchingConfig
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
@@ -97,6 +98,7 @@ class Admission:
     def check(self, tokens: int, deadline: float | None, kind: str | None = None) -> None:
         """Raise the refusal a request of `tokens` of class `kind` would get now; with 0 tokens and no
         class, a refusal any request would get."""
+        self._never_fits(tokens)
         refusal: ServingError | None = None
         for k in [kind] if kind is not None else self.by_kind:
             error = self._refusal(tokens, deadline, k)
@@ -105,6 +107,21 @@ class Admission:
             refusal = refusal or error
         assert refusal is not None
         raise refusal
+
+    def _never_fits(self, tokens: int) -> None:
+        """Refuse a request no queue state could admit: on an empty queue, every class may hold the
+        whole bounds, so one over them would be refused as overload forever."""
+        c = self.config
+        if tokens > c.max_queue_tokens:
+            raise InvalidArgument(
+                f"model '{self.name}': one request of {tokens:,} tokens can never fit max_queue_tokens "
+                f'{c.max_queue_tokens:,} (config.json "batching": {{"max_queue_tokens": ...}} raises it)'
+            )
+        if c.max_queue_requests < 1:
+            raise InvalidArgument(
+                f"model '{self.name}': no request can fit max_queue_requests {c.max_queue_requests} "
+                '(config.json "batching": {"max_queue_requests": ...} raises it)'
+            )
 
     def _refusal(self, tokens: int, deadline: float | None, kind: str) -> ServingError | None:
         c = self.config

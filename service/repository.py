@@ -12,7 +12,11 @@ names): the newest one by default, the N newest, all, or specific ones.
 from __future__ import annotations
 
 import json
+import logging
+import math
+import re
 from dataclasses import dataclass, field, fields, replace
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "RepositoryError",
     "VersionPolicy",
+    "as_integer",
     "fingerprint",
     "load_model",
     "load_model_config",
@@ -31,6 +36,8 @@ __all__ = [
     "model_directories",
     "parse_config",
 ]
+
+log = logging.getLogger("qkv.repository")
 
 KINDS = ("tensor", "g2p")
 # A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
@@ -76,29 +83,38 @@ class VersionPolicy:
     @classmethod
     def parse(cls, raw: Any, where: str) -> VersionPolicy:
         if not isinstance(raw, dict) or len(raw) != 1:
-            raise RepositoryError(f"{where}: version_policy must be one of latest, all or specific, got {raw!r}")
+            raise RepositoryError(f"{where}: version_policy must be one of latest, all or specific, got {_shown(raw)}")
         [(kind, body)] = raw.items()
         body = body or {}
+        keys = {"latest": {"num_versions"}, "all": set(), "specific": {"versions"}}.get(kind)
+        if keys is not None and isinstance(body, dict) and set(body) - keys:
+            raise RepositoryError(
+                f"{where}: unknown setting(s) {sorted(set(body) - keys)} in version_policy.{kind}; "
+                f"known: {sorted(keys)}"
+            )
         if kind == "latest" and isinstance(body, dict):
             n = body.get("num_versions", 1)
-            if _integer(n) and n >= 1:
-                return cls("latest", num_versions=n)
+            number = as_integer(n)
+            if number is not None and number >= 1:
+                return cls("latest", num_versions=number)
             raise RepositoryError(
-                f"{where}: version_policy.latest.num_versions must be an integer >= 1, got {json.dumps(n)[:64]}"
+                f"{where}: version_policy.latest.num_versions must be an integer >= 1, got {_shown(n)}"
             )
-        elif kind == "all" and isinstance(body, dict) and not body:
+        elif kind == "all" and isinstance(body, dict):
             return cls("all")
         elif kind == "specific" and isinstance(body, dict):
             versions = body.get("versions")
-            if isinstance(versions, list) and versions and all(_integer(v) and v >= 0 for v in versions):
-                return cls("specific", versions=tuple(sorted(set(versions))))
+            numbers = [as_integer(v) for v in versions] if isinstance(versions, list) else []
+            chosen = sorted({v for v in numbers if v is not None and v >= 0})
+            if chosen and len(chosen) == len(set(numbers)):
+                return cls("specific", versions=tuple(chosen))
             raise RepositoryError(
                 f"{where}: version_policy.specific.versions must be a list of version numbers (integers >= 0), "
-                f"got {json.dumps(versions)[:64]}"
+                f"got {_shown(versions)}"
             )
         raise RepositoryError(
-            f"{where}: version_policy {raw!r} is not {{'latest': {{'num_versions': N >= 1}}}}, {{'all': {{}}}} "
-            "or {'specific': {'versions': [numbers]}}"
+            f'{where}: version_policy {_shown(raw)} is not {{"latest": {{"num_versions": N >= 1}}}}, '
+            '{"all": {}} or {"specific": {"versions": [numbers]}}'
         )
 
     def choose(self, available: list[int], where: str) -> list[int]:
@@ -144,42 +160,124 @@ def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# A setting's declared type -> whether a JSON value is of it, and how a message names it.
+INT64 = (-(1 << 63), (1 << 63) - 1)
+# Protobuf's JSON form writes a 64-bit integer as a decimal string, and so do Triton's JSON model configs.
+_DECIMAL = re.compile(r"-?[0-9]{1,19}")
+
+
+def as_integer(value: Any) -> int | None:
+    """`value` as a 64-bit integer: a JSON integer, or a decimal string ("8", "-1"); None for anything else
+    (a bool, a float, "8.5", "abc", a value past 64 bits)."""
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        value = int(value)
+    if _integer(value) and INT64[0] <= value <= INT64[1]:
+        return int(value)
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A config value as a message quotes it: its JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # only values json.loads gives reach here; kept total for safety
+        text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _finite(value: Any) -> bool:
+    # json.loads accepts NaN and Infinity, which no setting means
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# A setting's declared type -> (the value as that type, or None when it is not; how a message names it).
 _TYPES: dict[str, tuple[Any, str]] = {
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "int": (_integer, "an integer"),
-    "float": (lambda v: _integer(v) or isinstance(v, float), "a number"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "int | None": (lambda v: v is None or _integer(v), "an integer or null"),
-    "dict[str, Any]": (lambda v: isinstance(v, dict), "a JSON object"),
+    "bool": (lambda v: v if isinstance(v, bool) else None, "true or false"),
+    "int": (as_integer, "an integer"),
+    "float": (lambda v: v if _finite(v) else None, "a number"),  # NaN and Infinity are none
+    "str": (lambda v: v if isinstance(v, str) else None, "a string"),
+    "dict[str, Any]": (lambda v: v if isinstance(v, dict) else None, "a JSON object"),
 }
 
 
-def _typed(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    """`values` for the fields of `cls`, each of its field's type (a bool is no number), or a RepositoryError
-    naming the key."""
+def _typed_value(declared: str, value: Any, key: str, where: str) -> Any:
+    """`value` as the type `declared` (an integer may be a decimal string), or a RepositoryError naming the
+    key (its dotted path), the value and the type."""
+    optional = declared.endswith(" | None")
+    if optional:
+        if value is None:
+            return None
+        declared = declared.removesuffix(" | None")
+    convert, wanted = _TYPES[declared]
+    converted = convert(value)
+    if converted is None:
+        raise RepositoryError(f"{where}: {key} must be {wanted}{' or null' * optional}, got {_shown(value)}")
+    return converted
+
+
+def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> dict[str, Any]:
+    """`values` for the fields of `cls`, each converted to its field's type (a bool is no number), or a
+    RepositoryError naming the key; `section`: the keys' dotted prefix ("batching.")."""
     known = {f.name: str(f.type) for f in fields(cls)}
     unknown = set(values) - set(known)
     if unknown:
-        raise RepositoryError(f"{where}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
-    for key, value in values.items():
-        check, wanted = _TYPES.get(known[key], (lambda v: True, ""))
-        if not check(value):
-            raise RepositoryError(f"{where}: {key} must be {wanted}, got {json.dumps(value)[:64]}")
-    return values
+        raise RepositoryError(
+            f"{where}: unknown setting(s) {sorted(unknown)} in {section.rstrip('.') or 'the top level'}; "
+            f"known: {sorted(known)}"
+        )
+    return {key: _typed_value(known[key], value, section + key, where) for key, value in values.items()}
 
 
-def _limits(raw: Any, where: str) -> None:
-    """limits: each an integer, vocab_size an object of integers (the models read them with int())."""
-    if not isinstance(raw, dict):
-        raise RepositoryError(f"{where}: limits must be a JSON object")
+# What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
+_TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
+              "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
+              "limits")  # fmt: skip
+# Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
+# server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
+TRITON_FIELDS = frozenset({
+    "platform", "backend", "runtime", "input", "output", "batch_input", "batch_output", "dynamic_batching",
+    "sequence_batching", "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
+    "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
+    "model_repository_agents", "response_cache",
+})  # fmt: skip
+LIMITS = {
+    "tensor": ("max_sequence_length", "vocab_size"),
+    "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
+}
+OPTIMIZATIONS = ("disable", "basic", "extended", "all")
+_DECLARATION_KEYS = ("name", "datatype", "shape")
+
+
+def _top_level(raw: dict[str, Any], where: str) -> None:
+    """Refuse a key config.json has no use for (a misspelt one would be silently ignored); log Triton's."""
+    unknown = sorted(k for k in raw if k not in _TOP_LEVEL and k not in TRITON_FIELDS)
+    if unknown:
+        close = {k: get_close_matches(k, _TOP_LEVEL, 1) for k in unknown}
+        hints = [f"{k!r} (did you mean {near[0]!r}?)" for k, near in close.items() if near]
+        raise RepositoryError(
+            f"{where}: unknown setting(s) {unknown}{': ' + ', '.join(hints) if hints else ''}; "
+            f"known: {sorted(_TOP_LEVEL)} (and Triton's fields, which qkv does not read)"
+        )
+    triton = sorted(k for k in raw if k in TRITON_FIELDS)
+    if triton:
+        log.warning("%s: Triton's setting(s) %s are not read by qkv (docs/configuration.md)", where, triton)
+
+
+def _limits(raw: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """limits: those of the model's kind, each an integer, vocab_size an object of integers."""
+    unknown = sorted(set(raw) - set(LIMITS[kind]))
+    if unknown:
+        raise RepositoryError(f"{where}: unknown limit(s) {unknown} for a {kind} model; known: {sorted(LIMITS[kind])}")
+    out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key == "vocab_size" and isinstance(value, dict):
-            bad = [k for k, v in value.items() if not _integer(v)]
-            if bad:
-                raise RepositoryError(f"{where}: limits.vocab_size.{bad[0]} must be an integer")
-        elif not _integer(value):
-            raise RepositoryError(f"{where}: limits.{key} must be an integer, got {json.dumps(value)[:64]}")
+        if key == "vocab_size":
+            if not isinstance(value, dict):
+                raise RepositoryError(
+                    f"{where}: limits.vocab_size must be a JSON object of input name -> size, got {_shown(value)}"
+                )
+            out[key] = {k: _typed_value("int", v, f"limits.vocab_size.{k}", where) for k, v in value.items()}
+        else:
+            out[key] = _typed_value("int", value, f"limits.{key}", where)
+    return out
 
 
 def parse_config(text: str | bytes) -> Any:
@@ -223,48 +321,53 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         raw = read_config(config_path, where)
     elif not isinstance(raw, dict):
         raise RepositoryError(f"{where}: the configuration must be a JSON object, got {type(raw).__name__}")
-    kind = raw.get("kind", "tensor")
+    at = f"{where}: config.json"
+    _top_level(raw, at)  # every value is checked against its type before anything reads it
+    kind = _typed_value("str", raw.get("kind", "tensor"), "kind", at)
     if kind not in KINDS:
-        raise RepositoryError(f"{where}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
+        raise RepositoryError(f"{at}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
+    _typed_value("str", raw.get("name", ""), "name", at)  # Triton's; the directory names the model
     if not isinstance(raw.get("batching", {}), dict):
-        raise RepositoryError(f"{where}: {config_path}: batching must be a JSON object")
-    batching = dict(raw.get("batching", {}))
+        raise RepositoryError(f"{at}: batching must be a JSON object, got {_shown(raw['batching'])}")
+    batching = _typed(BatchingConfig, raw.get("batching", {}), at, "batching.")
     if "max_batch_size" in raw:
-        batching.setdefault("max_batch_size", raw["max_batch_size"])
+        batching.setdefault("max_batch_size", _typed_value("int", raw["max_batch_size"], "max_batch_size", at))
     settings: dict[str, Any] = {
         k: raw[k]
         for k in ("instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
                   "limits")
         if k in raw
     }  # fmt: skip
-    _typed(ModelConfig, settings, where)
+    settings = _typed(ModelConfig, settings, at)
     if "limits" in settings:
-        _limits(settings["limits"], where)
-    if not isinstance(raw.get("model_card", {}), dict):
-        raise RepositoryError(f"{where}: model_card must be a JSON object")
+        settings["limits"] = _limits(settings["limits"], kind, at)
+    card = raw.get("model_card", {})
+    if not isinstance(card, dict):
+        raise RepositoryError(f"{at}: model_card must be a JSON object, got {_shown(card)}")
     if settings.get("precision", "fp32") not in PRECISIONS:
-        raise RepositoryError(f"{where}: unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})")
-    inputs = tuple(_tensor_declarations(raw["inputs"], f"{where} inputs")) if "inputs" in raw else ()
-    outputs = tuple(_tensor_declarations(raw["outputs"], f"{where} outputs")) if "outputs" in raw else ()
+        raise RepositoryError(f"{at}: unknown precision '{settings['precision']}' (one of {', '.join(PRECISIONS)})")
+    if settings.get("optimization", "all") not in OPTIMIZATIONS:
+        raise RepositoryError(
+            f"{at}: unknown optimization '{settings['optimization']}' (one of {', '.join(OPTIMIZATIONS)})"
+        )
+    inputs = _tensor_declarations(raw["inputs"], "inputs", at) if "inputs" in raw else ()
+    outputs = _tensor_declarations(raw["outputs"], "outputs", at) if "outputs" in raw else ()
     policy = VersionPolicy()
     if "version_policy" in raw:
-        policy = VersionPolicy.parse(raw["version_policy"], where)
-    try:
-        return ModelConfig(
-            name=name,
-            kind=kind,
-            version=chosen,
-            directory=model_dir / chosen,
-            batching=BatchingConfig(**_typed(BatchingConfig, batching, f"{where} batching")),
-            card=raw.get("model_card", {}),
-            batching_given=frozenset(batching),
-            version_policy=policy,
-            inputs=inputs,
-            outputs=outputs,
-            **settings,
-        )
-    except TypeError as e:  # a setting of the wrong type, e.g. "batching": [] or "limits": 3
-        raise RepositoryError(f"{where}: {config_path}: {e}") from None
+        policy = VersionPolicy.parse(raw["version_policy"], at)
+    return ModelConfig(
+        name=name,
+        kind=kind,
+        version=chosen,
+        directory=model_dir / chosen,
+        batching=BatchingConfig(**batching),
+        card=card,
+        batching_given=frozenset(batching),
+        version_policy=policy,
+        inputs=inputs,
+        outputs=outputs,
+        **settings,
+    )
 
 
 def read_config(path: Path, where: str) -> dict[str, Any]:
@@ -280,18 +383,36 @@ def read_config(path: Path, where: str) -> dict[str, Any]:
     return raw
 
 
-def _tensor_declarations(raw: Any, where: str) -> list[dict[str, Any]]:
-    ok = isinstance(raw, list) and all(
-        isinstance(d, dict)
-        and isinstance(d.get("name"), str)
-        and isinstance(d.get("datatype"), str)
-        and isinstance(d.get("shape"), list)
-        and all(isinstance(n, int) for n in d["shape"])
-        for d in raw
-    )
-    if not ok:
-        raise RepositoryError(f'{where}: expected a list of {{"name": ..., "datatype": ..., "shape": [...]}}')
-    return list(raw)
+def _tensor_declarations(raw: Any, section: str, where: str) -> tuple[dict[str, Any], ...]:
+    """inputs / outputs: [{"name": str, "datatype": str, "shape": [int, ...]}], dims -1 for dynamic (a dim
+    may be a decimal string, as protobuf's JSON writes 64-bit integers)."""
+    form = '[{"name": ..., "datatype": ..., "shape": [...]}]'
+    if not isinstance(raw, list):
+        raise RepositoryError(f"{where}: {section} must be a list {form}, got {_shown(raw)}")
+    out = []
+    for i, d in enumerate(raw):
+        at = f"{section}[{i}]"
+        if not isinstance(d, dict):
+            raise RepositoryError(f"{where}: {at} must be a JSON object {form[1:-1]}, got {_shown(d)}")
+        missing, unknown = sorted(set(_DECLARATION_KEYS) - set(d)), sorted(set(d) - set(_DECLARATION_KEYS))
+        if missing or unknown:
+            said = [f"missing {missing}"] * bool(missing) + [f"unknown setting(s) {unknown}"] * bool(unknown)
+            raise RepositoryError(f"{where}: {at}: {'; '.join(said)}; known: {list(_DECLARATION_KEYS)}")
+        shape = d["shape"]
+        if not isinstance(shape, list):
+            raise RepositoryError(f"{where}: {at}.shape must be a list of integers, got {_shown(shape)}")
+        dims = [_typed_value("int", n, f"{at}.shape[{j}]", where) for j, n in enumerate(shape)]
+        bad = [n for n in dims if n < -1]
+        if bad:
+            raise RepositoryError(
+                f"{where}: {at}.shape[{dims.index(bad[0])}] must be -1 (dynamic) or >= 0, got {bad[0]}"
+            )
+        out.append({
+            "name": _typed_value("str", d["name"], f"{at}.name", where),
+            "datatype": _typed_value("str", d["datatype"], f"{at}.datatype", where),
+            "shape": dims,
+        })  # fmt: skip
+    return tuple(out)
 
 
 def available_versions(model_dir: Path) -> list[int]:
