@@ -34,7 +34,7 @@ from service.loadgen import encoder_request, g2p_word_request
 from service.repository import BatchingConfig
 from service.seq2seq import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
-from tests.service.queue_helpers import Recorder, model_stats, until
+from tests.service.queue_helpers import Recorder, model_stats, until, until_computing
 
 VOCAB = 33  # g2p_encoder's input vocabulary
 NICE = ServerSettings().compute_nice  # the default --compute-nice
@@ -255,19 +255,6 @@ def held_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     s = start_server(["--model-repository", str(models), "--compute-nice", "0"], scratch / "server.log")
     yield s
     stop_server(s)
-
-
-async def until_computing(server: RunningServer, first: Any) -> None:
-    """Until the blocker `first` is the one request in g2p_encoder and none is queued: it is computing."""
-    series = 'qkv_inflight_requests{model="g2p_encoder",version="1"}'
-    end = time.monotonic() + 60
-    while True:
-        metrics = scrape(server.metrics_url)
-        if metrics.get(series, 0) == 1 and metrics.get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0) == 0:
-            return
-        assert not first.done(), "the blocker was answered before it was seen computing"
-        assert time.monotonic() < end, "the blocker never started computing (60 s)"
-        await asyncio.sleep(0.02)
 
 
 def _blocker(rows: int, rng: np.random.Generator) -> Any:

@@ -32,6 +32,7 @@ from service.bench.servers import scrape, variant
 from service.repository import available_versions
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
+from tests.service.queue_helpers import until, until_computing
 
 # The g2p version a request that names none reaches: the newest shipped.
 G2P_DEFAULT = str(available_versions(MODELS / "g2p")[-1])
@@ -46,7 +47,11 @@ FUZZ: Counter[str] = Counter()  # cases sent, by kind: printed with the run's fi
 ANSWERS: Counter[int] = Counter()  # the random cases' answers, by HTTP status
 # One encoder instance, FIFO batches padded to their longest request, which wait for company while it runs.
 ONE_INSTANCE = {
-    "g2p_encoder": {"instances": 1, "batching": {"length_aware": False, "inline_max_tokens": 0, "token_budget": 8192}}
+    "g2p_encoder": {
+        "instances": 1,
+        # no queueing-time objective: requests held behind a blocker are admitted whatever rate was measured
+        "batching": {"length_aware": False, "inline_max_tokens": 0, "token_budget": 8192, "max_queue_wait_ms": 600000},
+    }
 }
 
 
@@ -269,31 +274,39 @@ def test_http_and_grpc_share_the_metrics_and_http_is_told_apart(web: RunningServ
 
 def test_http_and_grpc_requests_batch_together(web: RunningServer) -> None:
     """HTTP clients send the encoder rows of 8 tokens, gRPC clients rows of 16. A batch of one protocol's
-    requests needs no padding; only a batch that holds requests of both pads (the 8s to 16)."""
+    requests needs no padding; one that holds requests of both pads the 8s to 16. A blocker holds the one
+    instance while all 16 queue, so the next batch (FIFO, room for all) holds both."""
+    padding = 'qkv_batch_tokens_total{kind="padding",model="g2p_encoder",version="1"}'
+    queued = 'qkv_queue_depth{model="g2p_encoder",version="1"}'
 
-    def padding() -> float:
-        return scrape(web.metrics_url).get(
-            'qkv_batch_tokens_total{kind="padding",model="g2p_encoder",version="1"}', 0.0
-        )
-
-    async def burst() -> None:
-        """8 HTTP requests of 8 tokens and 8 gRPC requests of 16, all at once: while the one instance
-        computes the first, the others queue, and the next batch pads the short ones to 16."""
+    async def held_burst(blocker_rows: int) -> bool:
+        """Whether the 16 requests were all seen queued behind the blocker (else it finished first)."""
         web_client, grpc_client = ha.InferenceServerClient(web.http_url), ga.InferenceServerClient(web.url)
         try:
+            # over HTTP, whose answers (megabytes of hidden states) are not bound by --max-message-bytes
+            blocker = asyncio.ensure_future(
+                web_client.infer("g2p_encoder", encoder_inputs(h, True, rows=blocker_rows, seq=512))
+            )
+            await until_computing(web, blocker)
             calls = [web_client.infer("g2p_encoder", encoder_inputs(h, True, rows=1, seq=8)) for _ in range(8)]
             calls += [grpc_client.infer("g2p_encoder", encoder_inputs(g, True, rows=1, seq=16)) for _ in range(8)]
-            await asyncio.gather(*calls)
+            burst = asyncio.gather(*calls)
+            await until(lambda: blocker.done() or scrape(web.metrics_url).get(queued, 0) == 16, "16 queued")
+            held = not blocker.done()
+            await asyncio.gather(blocker, burst)
+            return held
         finally:
             await web_client.close()
             await grpc_client.close()
 
-    before = padding()
-    for _ in range(5):  # rounds until two requests of different lengths meet in a queue
-        asyncio.run(burst())
-        if padding() > before:
+    before = scrape(web.metrics_url).get(padding, 0.0)
+    held = False
+    for rows in (4, 8, 16):  # a longer blocker while the machine queues the burst more slowly than it computes
+        held = asyncio.run(held_burst(rows))
+        if held:
             break
-    assert padding() > before
+    assert held, "a blocker of 16 x 512 tokens finished before 16 small requests were queued"
+    assert scrape(web.metrics_url).get(padding, 0.0) - before >= 8 * (16 - 8)  # one batch of both: the 8s padded
 
 
 # --- bad requests: each a 4xx with a clear message; the server goes on -----------------------------------
