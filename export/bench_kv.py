@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from export.model import DecoderStep, EncoderGraph, TransformerConfig, make_model, subsequent_mask
-from service.seq2seq import step_arrays
+from service.seq2seq.graphs import step_arrays
 
 __all__ = ["kv_cache_speedup"]
 

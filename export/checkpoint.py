@@ -11,8 +11,8 @@ import torch
 
 from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
 from service.cli import UsageError, readable_file
-from service.seq2seq import step_arrays
-from service.vocab import Vocabulary
+from service.seq2seq.graphs import step_arrays
+from service.seq2seq.vocab import Vocabulary
 
 __all__ = ["Loaded", "TorchStepModel", "load_checkpoint", "read_checkpoint"]
 
@@ -69,7 +69,7 @@ def average_checkpoints(paths: list[Path], max_len: int | None = None) -> Loaded
 
 
 class TorchStepModel:
-    """The `service.generation.StepModel` interface over a PyTorch model (no grad, float32)."""
+    """The `service.seq2seq.generation.StepModel` interface over a PyTorch model (no grad, float32)."""
 
     def __init__(self, model: Transformer) -> None:
         self.encoder = EncoderGraph(model).eval()

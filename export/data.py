@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.vocab import Vocabulary
+from service.seq2seq.vocab import Vocabulary
 
 __all__ = [
     "SPLIT_DIR",

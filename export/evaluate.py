@@ -1,6 +1,6 @@
 """`qkv evaluate`: WER/PER on a split, for a PyTorch checkpoint or the exported ONNX graphs.
 
-Both go through the same decoding code (`service.generation`) and the same scoring
+Both go through the same decoding code (`service.seq2seq.generation`) and the same scoring
 (`export.scoring`); only the `StepModel` underneath differs.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 from export import data
 from export.scoring import score
 from service.cli import UsageError, in_range
-from service.generation import StepModel, beam_search, greedy_decode
-from service.repository import RepositoryError, load_model_config
-from service.seq2seq import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
-from service.vocab import Vocabulary
+from service.repository.layout import RepositoryError, load_model_config
+from service.seq2seq.generation import StepModel, beam_search, greedy_decode
+from service.seq2seq.graphs import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
+from service.seq2seq.vocab import Vocabulary
 
 __all__ = ["evaluate", "evaluate_checkpoint", "evaluate_repository", "main", "predict", "record_in_card"]
 

@@ -34,9 +34,9 @@ from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
 from service.cli import UsageError, in_range, readable_file
-from service.generation import StepModel, greedy_decode, pad_ids
-from service.repository import available_versions, model_cards
-from service.seq2seq import (
+from service.repository.layout import available_versions, model_cards
+from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
+from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
     GRAPHEMES_FILE,

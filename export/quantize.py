@@ -25,9 +25,9 @@ import onnx
 from export import data
 from export.evaluate import MAX_OUTPUT_LENGTH, evaluate_repository
 from export.storage import weights_fp32
-from service.generation import greedy_decode
-from service.repository import load_model_config
-from service.seq2seq import (
+from service.repository.layout import load_model_config
+from service.seq2seq.generation import greedy_decode
+from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
     GRAPHEMES_FILE,
@@ -35,7 +35,7 @@ from service.seq2seq import (
     graph_file,
     session_options,
 )
-from service.vocab import Vocabulary
+from service.seq2seq.vocab import Vocabulary
 
 PRECISION = "int8"
 

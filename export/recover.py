@@ -27,10 +27,10 @@ from onnx import numpy_helper
 from export.checkpoint import TorchStepModel, load_checkpoint
 from export.model import Transformer, TransformerConfig, make_model
 from export.storage import weights_fp32
-from service.generation import pad_ids
-from service.repository import load_model_config
-from service.seq2seq import DECODER_FILE, ENCODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE
-from service.vocab import Vocabulary
+from service.repository.layout import load_model_config
+from service.seq2seq.generation import pad_ids
+from service.seq2seq.graphs import DECODER_FILE, ENCODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE
+from service.seq2seq.vocab import Vocabulary
 
 __all__ = ["main", "recover"]
 

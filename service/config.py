@@ -1,7 +1,7 @@
 """Server settings: one dataclass, each field a `qkv serve` flag and a `QKV_*` environment variable.
 
 Precedence: flag > environment > default. Per-model batching settings live in each model's
-config.json instead (service/repository.py).
+config.json instead (service/repository/layout.py).
 """
 
 from __future__ import annotations

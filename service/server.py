@@ -1,8 +1,8 @@
 """The gRPC server: the v2 inference service, health, reflection, metrics, drain.
 
-Each RPC method decodes the protobuf request, awaits the protocol-free model (service/models.py)
+Each RPC method decodes the protobuf request, awaits the protocol-free model (service/models/kinds.py)
 and encodes the answer. Models are loaded before the port opens; a model that fails to load
-stops the start. Who may call it (TLS, bearer tokens) is service/security.py.
+stops the start. Who may call it (TLS, bearer tokens) is service/frontends/security.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, logs, priority, protocol
-from service.codec import decode_tensor, element_count, fill_output
+from service import __version__, priority, protocol
 from service.config import ServerSettings
 from service.errors import (
     FailedPrecondition,
@@ -37,9 +36,13 @@ from service.errors import (
     clip,
     quote,
 )
-from service.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
-from service.models import ModelStats, TensorModel
-from service.registry import (
+from service.frontends.codec import decode_tensor, element_count, fill_output
+from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
+from service.models.kinds import ModelStats, TensorModel
+from service.observability import logs
+from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
+from service.repository.layout import RepositoryError, parse_config
+from service.serving.registry import (
     BATCHING_SHOWN,
     READY,
     UNAVAILABLE,
@@ -48,11 +51,9 @@ from service.registry import (
     one_malloc_arena,
     return_freed_memory,
 )
-from service.repository import RepositoryError, parse_config
-from service.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import Tracing
+    from service.observability.tracing import Tracing
 
 __all__ = ["Server", "serve"]
 
@@ -90,7 +91,7 @@ def _tracing(settings: ServerSettings) -> Tracing | None:
     """The tracer, when requests are traced; opentelemetry is imported only then."""
     if not settings.traced:
         return None
-    from service.tracing import Tracing
+    from service.observability.tracing import Tracing
 
     ratio = settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None
     return Tracing(ratio, settings.tracing_exporter, settings.tracing_file)
@@ -523,7 +524,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._trim: asyncio.Task[None] | None = None  # memory handed back soon, after a large request
         self._trimmed = 0.0  # monotonic time of the last hand-back
-        self._http: Any = None  # service.rest.RestServer, when --http-port is not -1
+        self._http: Any = None  # service.frontends.rest_api.RestServer, when --http-port is not -1
 
     def _options(self) -> list[tuple[str, Any]]:
         s = self.settings
@@ -575,7 +576,7 @@ class Server:
             except OSError as e:
                 raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
         if s.http_port >= 0:
-            from service.rest import RestServer  # aiohttp, only when HTTP is on
+            from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 
             self._http = RestServer(service, self.metrics, s, self._tokens, ssl_context(s))
             self.http_port = self._http.bind(s.host, s.http_port)

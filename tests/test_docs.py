@@ -25,11 +25,12 @@ from unittest import mock
 import grpc
 import pytest
 
-from service import cli, errors, protocol, repository
+from service import cli, errors, protocol
 from service.client import PUSHBACK, Client, g2p_request
 from service.config import ServerSettings, add_arguments, from_arguments
-from service.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
-from service.repository import BatchingConfig, ModelConfig
+from service.observability.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
+from service.repository import layout as repository
+from service.repository.layout import BatchingConfig, ModelConfig
 from tests.conftest import ROOT, RunningServer
 
 DOCS = ROOT / "docs"
@@ -233,10 +234,11 @@ def test_every_top_level_config_key_is_documented_and_read() -> None:
 
 def _used_by(key: str) -> set[str]:
     """The model kinds whose scheduler reads batching setting `key`."""
-    service = ROOT / "service"
-    read = {f: re.search(rf"\.{key}\b", (service / f).read_text()) is not None for f in ("batching.py", "scheduler.py")}
-    shared = re.search(rf"\.{key}\b", (service / "admission.py").read_text()) is not None
-    return {kind for kind, f in (("tensor", "batching.py"), ("g2p", "scheduler.py")) if read[f] or shared}
+    scheduling = ROOT / "service" / "scheduling"
+    files = ("batching.py", "continuous.py")
+    read = {f: re.search(rf"(?<!scheduling)\.{key}\b", (scheduling / f).read_text()) is not None for f in files}
+    shared = re.search(rf"(?<!scheduling)\.{key}\b", (scheduling / "admission.py").read_text()) is not None
+    return {kind for kind, f in (("tensor", "batching.py"), ("g2p", "continuous.py")) if read[f] or shared}
 
 
 def test_every_batching_key_is_documented_with_its_default_and_kinds() -> None:
@@ -256,9 +258,9 @@ def _is_limits(node: ast.AST) -> bool:
 
 
 def limit_reads() -> dict[tuple[str, str], Any]:
-    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models.py."""
+    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/kinds.py."""
     reads: dict[tuple[str, str], Any] = {}
-    tree = ast.parse((ROOT / "service" / "models.py").read_text())
+    tree = ast.parse((ROOT / "service" / "models" / "kinds.py").read_text())
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         kind = next(
             (
@@ -287,7 +289,9 @@ def limit_reads() -> dict[tuple[str, str], Any]:
 
 def test_every_limit_is_documented_with_its_kind_and_default() -> None:
     reads = limit_reads()
-    assert {kind for _, kind in reads} == {"tensor", "g2p"}, f"the scan of service/models.py found {sorted(reads)}"
+    assert {kind for _, kind in reads} == {"tensor", "g2p"}, (
+        f"the scan of service/models/kinds.py found {sorted(reads)}"
+    )
     rows = table(section(CONFIGURATION, "`limits`"), "key")
     docs = {(codes(row[0])[0], row[1]): row for row in rows}
     assert_same(set(docs), set(reads), "docs/configuration.md, `limits`", "(limit, kind) pairs")
@@ -399,7 +403,7 @@ def _status_codes() -> set[str]:
         cls = pending.pop()
         found.add(cls.code)
         pending += cls.__subclasses__()
-    for path in ("server.py", "security.py", "protocol/__init__.py"):
+    for path in ("server.py", "frontends/security.py", "protocol/__init__.py"):
         found |= set(re.findall(r"grpc\.StatusCode\.([A-Z_]+)", (ROOT / "service" / path).read_text()))
     return found
 

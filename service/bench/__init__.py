@@ -26,7 +26,7 @@ from service.bench.report import targets_table
 from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
 from service.bench.servers import padding_share, scrape, variant
 from service.cli import UsageError, in_range, readable_file
-from service.seq2seq import session_options
+from service.seq2seq.graphs import session_options
 
 # The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
 # variants taking turns), load (what is sent), sections (the suite's, one function each), runs
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         return 0
     if args.versions:
         from service.bench.versions import versions, versions_table
-        from service.repository import model_cards
+        from service.repository.layout import model_cards
 
         measured = versions(args.model_repository, args.out, args.seconds)
         table = versions_table(measured, model_cards(args.model_repository / "g2p"))

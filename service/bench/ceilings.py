@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service.seq2seq import session_options
+from service.seq2seq.graphs import session_options
 
 __all__ = ["g2p_compute_bound", "in_process_latency", "kv_cache", "raw_ceiling"]
 
@@ -79,10 +79,10 @@ def g2p_compute_bound(models: Path, words: list[str], n: int = 256) -> dict[str,
     """Words/s of in-process greedy decoding on one thread, a word at a time and 32 together (what
     c64 gives each of two instances): the batched / off ratio compute alone allows, before any serving
     cost. Static batches sorted by length, so an upper bound on what continuous batching gets."""
-    from service.generation import greedy_decode
-    from service.models import normalize_word
-    from service.seq2seq import GRAPHEMES_FILE, OnnxSeq2Seq
-    from service.vocab import Vocabulary
+    from service.models.kinds import normalize_word
+    from service.seq2seq.generation import greedy_decode
+    from service.seq2seq.graphs import GRAPHEMES_FILE, OnnxSeq2Seq
+    from service.seq2seq.vocab import Vocabulary
 
     version = models / "g2p" / "1"
     graphemes, model = Vocabulary.load(version / GRAPHEMES_FILE), OnnxSeq2Seq(version, session_options(1))

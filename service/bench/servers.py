@@ -22,7 +22,7 @@ import numpy as np
 
 from service import loadgen, protocol
 from service.process import ServerProcess, start_server, stop_server
-from service.repository import available_versions
+from service.repository.layout import available_versions
 
 __all__ = [
     "ROUNDS",

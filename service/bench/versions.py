@@ -20,7 +20,7 @@ from service import loadgen
 from service.bench.load import held_out_words, run_closed, word_maker
 from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
 from service.bench.servers import Servers
-from service.repository import available_versions
+from service.repository.layout import available_versions
 
 __all__ = ["versions", "versions_table"]
 

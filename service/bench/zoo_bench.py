@@ -2,7 +2,7 @@
 
 The zoo (service/bench/zoo.py: encoders small to large, a decoder-only model, an MLP with no sequence
 axis, random weights) is written as a repository and served by two servers at once: one with the
-settings tuned from each model's measured cost (service/tuning.py), one with the fixed defaults qkv had
+settings tuned from each model's measured cost (service/scheduling/tuning.py), one with the fixed defaults qkv had
 before (`FIXED`). Each cell, a model at a sequence length and a concurrency, is set beside its
 in-process onnxruntime ceiling: two single-thread sessions at their best batch size for c32, one
 session's batch-1 latency (back to back) for c1. The two servers and the ceiling are measured in
@@ -25,7 +25,7 @@ from service import loadgen, protocol
 from service.bench.load import run_closed
 from service.bench.servers import Servers
 from service.bench.zoo import ZOO, ZooModel, feeds, write_zoo
-from service.seq2seq import session_options
+from service.seq2seq.graphs import session_options
 
 __all__ = ["FIXED", "zoo_benchmark", "zoo_table"]
 

@@ -10,9 +10,9 @@ import pytest
 from export import data
 from export.evaluate import predict
 from export.storage import MIN_ELEMENTS
-from service.repository import available_versions, model_cards
-from service.seq2seq import OnnxSeq2Seq
-from service.vocab import Vocabulary
+from service.repository.layout import available_versions, model_cards
+from service.seq2seq.graphs import OnnxSeq2Seq
+from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS
 
 COMMON = ["hello", "world", "water", "house", "music", "people", "little", "morning", "garden", "table"]

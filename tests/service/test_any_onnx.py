@@ -21,9 +21,9 @@ import tritonclient.http as h
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.models import _has_batch_axis
-from service.repository import BatchingConfig, ModelConfig, RepositoryError
-from service.runtime import TensorSpec
+from service.models.kinds import _has_batch_axis
+from service.models.runtime import TensorSpec
+from service.repository.layout import BatchingConfig, ModelConfig, RepositoryError
 from tests.conftest import RunningServer, start_server, stop_server
 
 NO_BATCH = ("nobatch", "nobatch_auto")  # [3, 4, 4] -> [10]: max_batch_size 0 in config.json, and none

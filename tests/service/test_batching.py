@@ -25,14 +25,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import priority, protocol
-from service.admission import WorkItem
-from service.batching import DynamicBatcher, select_batch
 from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
 from service.loadgen import encoder_request, g2p_word_request
-from service.repository import BatchingConfig
-from service.seq2seq import session_options
+from service.repository.layout import BatchingConfig
+from service.scheduling.admission import WorkItem
+from service.scheduling.batching import DynamicBatcher, select_batch
+from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import Recorder, model_stats, until, until_computing
 

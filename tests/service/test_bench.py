@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service.bench import targets_table
-from service.repository import model_cards
+from service.repository.layout import model_cards
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 

@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from service import protocol
 from service.bench import scrape
 from service.client import g2p_request
-from service.codec import encode_bytes
 from service.errors import MAX_MESSAGE_BYTES, QUOTE_CHARS, InvalidArgument, clip, quote
-from service.logs import UnsentAnswer
-from service.metrics import UNKNOWN_MODEL
+from service.frontends.codec import encode_bytes
+from service.observability.logs import UnsentAnswer
+from service.observability.metrics import UNKNOWN_MODEL
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 

@@ -23,9 +23,9 @@ import tritonclient.grpc as g
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.admission import Admission
 from service.errors import InvalidArgument, ResourceExhausted
-from service.repository import _TOP_LEVEL, LIMITS, BatchingConfig, RepositoryError, as_integer, load_model_config
+from service.repository.layout import _TOP_LEVEL, LIMITS, BatchingConfig, RepositoryError, as_integer, load_model_config
+from service.scheduling.admission import Admission
 from tests.conftest import ROOT, RunningServer, start_server
 
 WIDE = 20_000  # a row of the `big` model this long is 20,000 tokens; two are over the default max_queue_tokens 32,768

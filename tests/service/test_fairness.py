@@ -20,15 +20,16 @@ from typing import Any
 import grpc
 import pytest
 
-from service import protocol, scheduler
-from service.admission import Admission, WorkItem
+from service import protocol
 from service.client import g2p_request
 from service.errors import ResourceExhausted
-from service.generation import BeamSearch, DecodingBatch, beam_search, greedy_decode
-from service.repository import BatchingConfig
-from service.scheduler import BEAM, GREEDY, FairShare, GenerationScheduler, WordsRequest
-from service.seq2seq import OnnxSeq2Seq, session_options
-from service.vocab import Vocabulary
+from service.repository.layout import BatchingConfig
+from service.scheduling import continuous as scheduler
+from service.scheduling.admission import Admission, WorkItem
+from service.scheduling.continuous import BEAM, GREEDY, FairShare, GenerationScheduler, WordsRequest
+from service.seq2seq.generation import BeamSearch, DecodingBatch, beam_search, greedy_decode
+from service.seq2seq.graphs import OnnxSeq2Seq, session_options
+from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, start_server, stop_server
 from tests.figures import FIGURES as ALL_FIGURES
 from tests.service.queue_helpers import until

@@ -29,8 +29,8 @@ from tritonclient.utils import InferenceServerException
 
 from service.bench.servers import scrape
 from service.errors import ServingError
-from service.metrics_http import BACKLOG, MAX_HEAD_BYTES
-from service.rest import HTTP_STATUS, _Call, _failed, _Refused
+from service.frontends.rest_api import HTTP_STATUS, _Call, _failed, _Refused
+from service.observability.metrics_http import BACKLOG, MAX_HEAD_BYTES
 from tests.conftest import MODELS, ROOT, RunningServer, scale_model, start_server, stop_server
 from tests.figures import FIGURES
 
@@ -308,9 +308,9 @@ def test_a_fault_of_the_server_is_a_counted_500_with_its_traceback_logged(caplog
 
     from aiohttp.test_utils import make_mocked_request
 
-    from service.metrics import Metrics
-    from service.rest import RestServer
-    from service.security import BearerTokens
+    from service.frontends.rest_api import RestServer
+    from service.frontends.security import BearerTokens
+    from service.observability.metrics import Metrics
 
     metrics = Metrics()
     service = SimpleNamespace(registry=SimpleNamespace(models={}))

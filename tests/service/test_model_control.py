@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from service.repository import RepositoryError, VersionPolicy
+from service.repository.layout import RepositoryError, VersionPolicy
 from tests.conftest import MODELS, RunningServer, start_server
 from tests.figures import FIGURES
 

@@ -25,7 +25,7 @@ import pytest
 from service import protocol
 from service.client import g2p_request
 from service.loadgen import encoder_request
-from service.metrics import seq_len_bucket
+from service.observability.metrics import seq_len_bucket
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 sys.path.insert(0, str(ROOT / "deploy" / "grafana"))

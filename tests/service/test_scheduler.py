@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from service.admission import WorkItem
-from service.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
-from service.repository import BatchingConfig
-from service.scheduler import GenerationScheduler, WordsRequest
-from service.seq2seq import OnnxSeq2Seq, session_options
-from service.vocab import Vocabulary
+from service.repository.layout import BatchingConfig
+from service.scheduling.admission import WorkItem
+from service.scheduling.continuous import GenerationScheduler, WordsRequest
+from service.seq2seq.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
+from service.seq2seq.graphs import OnnxSeq2Seq, session_options
+from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS
 from tests.service.queue_helpers import Recorder, until
 

@@ -13,9 +13,9 @@ from export.evaluate import predict
 from export.quantize import quantize_graphs
 from service.bench import variant
 from service.client import Client
-from service.models import normalize_word
-from service.seq2seq import OnnxSeq2Seq, session_options
-from service.vocab import Vocabulary
+from service.models.kinds import normalize_word
+from service.seq2seq.graphs import OnnxSeq2Seq, session_options
+from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 
 

@@ -1,4 +1,4 @@
-"""Batching settings from a model's measured cost (service/tuning.py), on stand-in models whose cost
+"""Batching settings from a model's measured cost (service/scheduling/tuning.py), on stand-in models whose cost
 is set: computed inline only when cheap and requests come one at a time, a partial batch waits only
 when company is coming, the token budget where throughput flattens; config.json's values win; the
 values in force are shown."""
@@ -18,10 +18,10 @@ import grpc
 import pytest
 
 from service import protocol
-from service.admission import WorkItem
-from service.batching import DynamicBatcher
-from service.repository import BatchingConfig
-from service.tuning import QUIET_ARRIVALS, CostModel, Pacing, sweep, tune
+from service.repository.layout import BatchingConfig
+from service.scheduling.admission import WorkItem
+from service.scheduling.batching import DynamicBatcher
+from service.scheduling.tuning import QUIET_ARRIVALS, CostModel, Pacing, sweep, tune
 from tests.conftest import MODELS, start_server, stop_server
 
 # A batch's cost as served (the hand-off included): fixed, per token.

@@ -102,7 +102,7 @@ def test_the_decoder_is_causal_and_the_encoders_are_not(run: Run) -> None:
 
 
 def test_config_json_leaves_batching_to_the_server(zoo: Path) -> None:
-    from service.repository import load_repository
+    from service.repository.layout import load_repository
 
     configs = {c.name: c for c in load_repository(zoo)}
     assert set(configs) == {m.name for m in ZOO}

@@ -2,7 +2,7 @@
 
 Imported only when tracing is on (`--tracing`, `--trace-sample-ratio`, `--tracing-exporter console`
 or `--tracing-file`): a server without it never imports opentelemetry, and its request path pays one
-`is None` check. The rest of the server sees this module through three hooks (service/admission.py):
+`is None` check. The rest of the server sees this module through three hooks (service/scheduling/admission.py):
 a sampled request's `RequestTrace` rides on its WorkItem, and the schedulers open a `BatchSpan` per
 batch. Exported with the SDK's batch span processor over OTLP, configured by the standard variables
 (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL grpc or http/protobuf, OTEL_SERVICE_NAME,
@@ -61,9 +61,9 @@ from opentelemetry.util.types import Attributes
 from service import __version__
 
 if TYPE_CHECKING:
-    from service.admission import Admission, WorkItem
-    from service.generation import Hypothesis
-    from service.scheduler import WordsRequest
+    from service.scheduling.admission import Admission, WorkItem
+    from service.scheduling.continuous import WordsRequest
+    from service.seq2seq.generation import Hypothesis
 
 __all__ = ["BATCH", "BatchSpan", "JoinCounter", "RequestTrace", "Tracing"]
 

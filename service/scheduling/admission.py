@@ -1,7 +1,7 @@
 """A model's bounded queue: what a queued request is, the admission rules, and what becomes of a
 request that is gone.
 
-Both schedulers (`service.batching` for tensor models, `service.scheduler` for generation) queue
+Both schedulers (dynamic batching for tensor models, continuous decoding for generation) queue
 `WorkItem`s under the same rules: bounded requests and tokens, and a deadline-aware refusal from
 the measured throughput. A request that could not be queued even on an empty queue is refused as
 invalid (retrying cannot help), not as overload. A request whose client left or whose deadline passed
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServingError
-from service.repository import BatchingConfig
+from service.repository.layout import BatchingConfig
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace
 
 __all__ = ["Admission", "BatchObserver", "NullObserver", "Queued", "WorkItem", "why_gone"]
 
@@ -37,7 +37,7 @@ class WorkItem:
     deadline: float | None = None  # monotonic seconds
     started: float | None = None  # when its computation began
     cancelled: bool = False  # the client went away
-    trace: RequestTrace | None = None  # set when the request is sampled for tracing (service.tracing)
+    trace: RequestTrace | None = None  # set when the request is sampled for tracing (service.observability.tracing)
 
     @property
     def tokens(self) -> int:

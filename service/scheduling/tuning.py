@@ -33,7 +33,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.repository import BatchingConfig
+from service.repository.layout import BatchingConfig
 
 __all__ = [
     "QUIET_ARRIVALS",

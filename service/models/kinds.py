@@ -19,19 +19,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from service.admission import WorkItem
-from service.batching import DynamicBatcher
-from service.codec import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
-from service.generation import Hypothesis, greedy_decode
-from service.metrics import ModelObserver
-from service.repository import ModelConfig, RepositoryError
-from service.runtime import G2PRuntime, TensorRuntime, TensorSpec
-from service.scheduler import GenerationScheduler, WordsRequest
-from service.tuning import CostModel, Tuning, sweep, tune
+from service.frontends.codec import NUMPY_DTYPES, InputLimits, datatype_of
+from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
+from service.observability.metrics import ModelObserver
+from service.repository.layout import ModelConfig, RepositoryError
+from service.scheduling.admission import WorkItem
+from service.scheduling.batching import DynamicBatcher
+from service.scheduling.continuous import GenerationScheduler, WordsRequest
+from service.scheduling.tuning import CostModel, Tuning, sweep, tune
+from service.seq2seq.generation import Hypothesis, greedy_decode
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 
@@ -187,7 +187,7 @@ class TensorModel:
     def warm_up(self, length: int = 64) -> None:
         """Batches on each instance before serving. onnxruntime's first run allocates its arena; a sweep
         of batch sizes measures what a batch costs here, from which the batching settings config.json
-        leaves out are chosen (service/tuning.py); and the best run gives admission a throughput estimate
+        leaves out are chosen (service/scheduling/tuning.py); and the best run gives admission a throughput estimate
         before any request: without one, a flood on a fresh server would be admitted up to the queue
         limits, seconds of work."""
         if self.max_sequence_length:

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service.codec import ONNX_DATATYPES
-from service.repository import ModelConfig, RepositoryError
-from service.seq2seq import (
+from service.frontends.codec import ONNX_DATATYPES
+from service.repository.layout import ModelConfig, RepositoryError
+from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
     GRAPHEMES_FILE,
@@ -21,7 +21,7 @@ from service.seq2seq import (
     graph_file,
     session_options,
 )
-from service.vocab import Vocabulary
+from service.seq2seq.vocab import Vocabulary
 
 __all__ = ["G2PRuntime", "TensorRuntime", "TensorSpec", "choose_providers"]
 

@@ -28,11 +28,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import ERROR, RequestPayloadError
 
 from service import protocol
-from service.codec import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
-from service.metrics import UNKNOWN_MODEL, Metrics
-from service.models import normalize_word
-from service.rest_codec import (
+from service.frontends.codec import encode_bytes
+from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
     message_json,
@@ -41,7 +39,9 @@ from service.rest_codec import (
     parse_json,
     set_parameters,
 )
-from service.security import BearerTokens
+from service.frontends.security import BearerTokens
+from service.models.kinds import normalize_word
+from service.observability.metrics import UNKNOWN_MODEL, Metrics
 
 __all__ = ["HTTP_STATUS", "MAX_STREAM_WORDS", "RestServer"]
 

@@ -3,7 +3,7 @@
 Buckets: request and queue latency span 0.25 ms to 10 s (sub-millisecond tensor calls to
 multi-second overloaded g2p requests), compute 0.1 ms to 5 s; batch sizes are powers of two up to
 the largest max_batch_size; padding ratio in tenths. The HTTP exporter runs on its own port, on the
-server's event loop (service/metrics_http.py).
+server's event loop (service/observability/metrics_http.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:  # aiohttp is imported only when the port is served
-    from service.metrics_http import MetricsServer
+    from service.observability.metrics_http import MetricsServer
 
 __all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "seq_len_bucket"]
 
@@ -165,7 +165,7 @@ class Metrics:
         """Serve /metrics on the running event loop; return the bound port (port 0 picks a free one). The port
         is bound and listening on return (OSError when it cannot be); `timeout`: seconds a connection may take
         to send its request's headers, or idle."""
-        from service.metrics_http import MetricsServer
+        from service.observability.metrics_http import MetricsServer
 
         server = self._server = MetricsServer(self.registry, timeout)
         bound = server.bind(host, port)

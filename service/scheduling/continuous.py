@@ -1,13 +1,13 @@
 """Continuous (iteration-level) batching of word decoding, for the g2p kind.
 
-One decoding thread per model instance keeps its own `DecodingBatch` (service.generation) and
+One decoding thread per model instance keeps its own `DecodingBatch` (service.seq2seq.generation) and
 steps it without returning to the event loop. A finished word leaves at once, and its request
 is answered as soon as all its words are done; waiting words join the running batch at the next
 step (continuous), or only once it is empty (static). Beam requests decode together in a beam
 search of their own, which the thread steps in turn with the greedy batch: the two classes share
 the decoding steps by cost (rows per step, words x beams for a beam search), the one served less
 going next (`FairShare`), so that neither waits behind the other without bound. Admission
-(bounded queue, deadlines; each class its fair share) is `service.admission`.
+(bounded queue, deadlines; each class its fair share) is `service.scheduling.admission`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from service import priority
-from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, Unavailable
-from service.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
-from service.repository import BatchingConfig
+from service.repository.layout import BatchingConfig
+from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
+from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import BatchSpan, Tracing
+    from service.observability.tracing import BatchSpan, Tracing
 
 __all__ = ["BEAM", "GREEDY", "FairShare", "GenerationScheduler", "WordsRequest"]
 

@@ -20,7 +20,7 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
-from service.metrics import UNKNOWN_MODEL
+from service.observability.metrics import UNKNOWN_MODEL
 
 __all__ = [
     "BatchingConfig",

@@ -4,7 +4,7 @@ A REST inference request becomes the same `ModelInferRequest` a gRPC client send
 share one data plane. Tensors come as JSON `data` (flat or nested, row-major; BYTES as strings) or,
 with Triton's binary tensor data extension, as raw bytes after the JSON header
 (`Inference-Header-Content-Length`, `parameters.binary_data_size`). Either way they are handed on as
-`raw_input_contents`, which `service.codec` checks as it checks a gRPC client's. Answers go back as
+`raw_input_contents`, which `service.frontends.codec` checks as it checks a gRPC client's. Answers go back as
 JSON `data`, or as raw bytes after the header for the outputs asked for in binary.
 """
 
@@ -21,8 +21,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from service import protocol
-from service.codec import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
 from service.errors import InvalidArgument, quote
+from service.frontends.codec import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
 
 __all__ = [
     "MAX_JSON_BYTES",

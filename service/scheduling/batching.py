@@ -3,7 +3,7 @@
 A batch closes on max rows, a token budget (rows x padded length) or the max queue delay;
 requests of similar length go together, so padding stays small. Choosing the next batch is a
 pure function (`select_batch`); `DynamicBatcher` is handed `run_batch(items, instance)` and
-knows neither gRPC nor onnxruntime. Admission (bounded queue, deadlines) is `service.admission`.
+knows neither gRPC nor onnxruntime. Admission (bounded queue, deadlines) is `service.scheduling.admission`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from service import priority
-from service.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.errors import Internal, ServingError, Unavailable
-from service.repository import BatchingConfig
-from service.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
+from service.repository.layout import BatchingConfig
+from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
+from service.scheduling.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
 
 OVERLAP_HANDOFFS = 3  # see `DynamicBatcher.use`
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import Tracing
+    from service.observability.tracing import Tracing
 
 __all__ = ["DynamicBatcher", "select_batch"]
 

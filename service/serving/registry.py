@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from service import priority
 from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
-from service.metrics import Metrics
-from service.models import G2PModel, TensorModel
-from service.repository import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
-from service.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.models.kinds import G2PModel, TensorModel
+from service.models.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.observability.metrics import Metrics
+from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.tracing import Tracing
+    from service.observability.tracing import Tracing
 
 __all__ = [
     "LOADING",
