@@ -22,7 +22,7 @@ test-loaded:
 	tests/cpu_load.sh $(MAKE) test
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export && $(BIN)/lint-imports --no-cache
 
 # `make serve`: the server with the plot and client extras (tritonclient, grpcurl for the README's examples).
 $(VENV)/.installed: pyproject.toml requirements/plot.txt requirements/client.txt

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from service import protocol
-from service.frontends.codec import decode_bytes, encode_bytes
+from service.datatypes import decode_bytes, encode_bytes
 
 __all__ = [
     "AsyncClient",

@@ -30,7 +30,8 @@ from service.client import PUSHBACK, Client, g2p_request
 from service.config import ServerSettings, add_arguments, from_arguments
 from service.observability.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
 from service.repository import layout as repository
-from service.repository.layout import BatchingConfig, ModelConfig
+from service.repository.layout import ModelConfig
+from service.scheduling.config import BatchingConfig
 from tests.conftest import ROOT, RunningServer
 
 DOCS = ROOT / "docs"

@@ -1,4 +1,5 @@
-"""The house style, checked by the one test command: ruff (lint and format) and strict mypy."""
+"""The house style, checked by the one test command: ruff (lint and format), strict mypy, and the layers
+of service/ (import-linter's contracts in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ BIN = Path(sys.executable).parent
         ["ruff", "check", "."],
         ["ruff", "format", "--check", "."],
         ["mypy", "service", "export"],  # strict, from pyproject.toml
+        ["lint-imports", "--no-cache"],  # a wrong import fails naming the contract and the import
     ],
-    ids=["ruff-check", "ruff-format", "mypy"],
+    ids=["ruff-check", "ruff-format", "mypy", "layers"],
 )
 def test_the_code_passes(command: list[str]) -> None:
     done = subprocess.run([str(BIN / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True)

@@ -1,66 +1,30 @@
-"""Protocol tensors <-> numpy: datatypes, typed contents, raw contents and the BYTES encoding.
+"""Protocol tensors <-> numpy: typed contents, raw contents, and the answer's outputs.
 
 The v2 protocol carries a tensor either in typed `contents` (one repeated field per type) or
-as little-endian bytes in `raw_input_contents`; a BYTES element in raw form is a 4-byte
-little-endian length followed by that many bytes.
+as little-endian bytes in `raw_input_contents` (BYTES in the length-prefixed form of
+service/datatypes.py). The datatypes themselves and the bounds on one tensor are service/datatypes.py.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from service.datatypes import (
+    MAX_BYTES_ELEMENTS,
+    MAX_DIMS,
+    NUMPY_DTYPES,
+    InputLimits,
+    datatype_of,
+    decode_bytes,
+    encode_bytes,
+)
 from service.errors import InvalidArgument, quote
 
-__all__ = [
-    "MAX_BYTES_ELEMENTS",
-    "MAX_DIMS",
-    "MAX_ELEMENTS",
-    "NUMPY_DTYPES",
-    "ONNX_DATATYPES",
-    "InputLimits",
-    "datatype_of",
-    "decode_bytes",
-    "decode_tensor",
-    "element_count",
-    "encode_bytes",
-    "fill_output",
-]
+__all__ = ["CONTENTS_FIELD", "decode_tensor", "element_count", "fill_output"]
 
-NUMPY_DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BYTES": np.object_,
-}
-ONNX_DATATYPES = {
-    "tensor(bool)": "BOOL",
-    "tensor(uint8)": "UINT8",
-    "tensor(uint16)": "UINT16",
-    "tensor(uint32)": "UINT32",
-    "tensor(uint64)": "UINT64",
-    "tensor(int8)": "INT8",
-    "tensor(int16)": "INT16",
-    "tensor(int32)": "INT32",
-    "tensor(int64)": "INT64",
-    "tensor(float16)": "FP16",
-    "tensor(float)": "FP32",
-    "tensor(double)": "FP64",
-    "tensor(string)": "BYTES",
-}
 # The typed-contents field that carries each datatype (smaller ints travel widened).
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
@@ -78,63 +42,9 @@ CONTENTS_FIELD = {
 }
 # Datatypes whose typed contents travel in a wider field, and that field's numpy type.
 _NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np.uint32}
-MAX_ELEMENTS = 1 << 24  # elements of one tensor, whatever the model
-MAX_BYTES_ELEMENTS = 1 << 16  # BYTES elements in one tensor
-MAX_DIMS = 32  # dimensions of one tensor (numpy itself stops at 64)
 # Typed contents become an array this many values at a time: each slice is a bounded list of Python
 # numbers, and a thread converting a large tensor lets the event loop run between two slices.
 CONTENTS_SLICE = 1 << 16
-
-
-@dataclass(frozen=True)
-class InputLimits:
-    """What one input tensor may hold, checked on the message as received, before anything is decoded."""
-
-    elements: int = MAX_ELEMENTS
-    element_bytes: int | None = None  # each BYTES element, at most
-    why: str = ""  # where `elements` comes from, said in the refusal
-
-
-_DATATYPE_OF = {np.dtype(v).str: k for k, v in NUMPY_DTYPES.items() if k != "BYTES"}
-
-
-def datatype_of(array: np.ndarray) -> str:
-    if array.dtype == np.object_ or array.dtype.kind in "SU":
-        return "BYTES"
-    return _DATATYPE_OF[array.dtype.str]
-
-
-def decode_bytes(raw: bytes, count: int, name: str, max_bytes: int | None = None) -> np.ndarray:
-    """Length-prefixed BYTES elements -> object array of `count` bytes values; an element longer than
-    `max_bytes` is refused before it is copied."""
-    out, offset = [], 0
-    for i in range(count):
-        if offset + 4 > len(raw):
-            raise InvalidArgument(f"input {quote(name)}: raw BYTES contents end inside an element's length prefix")
-        (n,) = struct.unpack_from("<I", raw, offset)
-        offset += 4
-        if max_bytes is not None and n > max_bytes:
-            raise InvalidArgument(f"input {quote(name)} element {i}: {n} bytes, the limit is {max_bytes}")
-        if offset + n > len(raw):
-            raise InvalidArgument(
-                f"input {quote(name)}: raw BYTES element of {n} bytes runs past the end of the contents"
-            )
-        out.append(raw[offset : offset + n])
-        offset += n
-    if offset != len(raw):
-        raise InvalidArgument(f"input {quote(name)}: {len(raw) - offset} bytes left over after {count} BYTES elements")
-    return np.array(out, dtype=np.object_)
-
-
-def encode_bytes(array: np.ndarray) -> bytes:
-    parts = []
-    for i, x in enumerate(array.reshape(-1)):
-        try:
-            b = x if isinstance(x, bytes) else str(x).encode()
-        except UnicodeEncodeError as e:  # a lone surrogate, as JSON's \ud800 gives
-            raise InvalidArgument(f"BYTES element {i} is not valid Unicode (character {e.start})") from None
-        parts.append(struct.pack("<I", len(b)) + b)
-    return b"".join(parts)
 
 
 def element_count(tensor: Any) -> int:

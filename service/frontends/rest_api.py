@@ -28,8 +28,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import ERROR, RequestPayloadError
 
 from service import protocol
+from service.datatypes import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
-from service.frontends.codec import encode_bytes
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,

@@ -21,8 +21,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from service import protocol
+from service.datatypes import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
 from service.errors import InvalidArgument, quote
-from service.frontends.codec import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
 
 __all__ = [
     "MAX_JSON_BYTES",

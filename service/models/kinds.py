@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
+from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
-from service.frontends.codec import NUMPY_DTYPES, InputLimits, datatype_of
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError

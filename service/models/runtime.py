@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service.frontends.codec import ONNX_DATATYPES
+from service.datatypes import ONNX_DATATYPES
 from service.repository.layout import ModelConfig, RepositoryError
 from service.seq2seq.graphs import (
     DECODER_FILE,

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 from urllib.parse import urlparse
 
 import grpc
@@ -60,12 +60,7 @@ from opentelemetry.util.types import Attributes
 
 from service import __version__
 
-if TYPE_CHECKING:
-    from service.scheduling.admission import Admission, WorkItem
-    from service.scheduling.continuous import WordsRequest
-    from service.seq2seq.generation import Hypothesis
-
-__all__ = ["BATCH", "BatchSpan", "JoinCounter", "RequestTrace", "Tracing"]
+__all__ = ["BATCH", "BatchSpan", "JoinCounter", "RequestTrace", "Traced", "Tracing"]
 
 SERVICE = "inference.GRPCInferenceService"
 BATCH = "qkv.batch"
@@ -299,19 +294,25 @@ class RequestTrace:
         wall, mono = self.anchor
         return wall + int((t - mono) * 1e9)
 
-    def admitted(self, admission: Admission, kind: str = "") -> None:
-        """Admitted into a queue of class `kind`: the wait the queue predicts for it (its class's queue and its
-        fair share of the others'; unknown until throughput is measured)."""
+    def admitted(self, predicted_wait_ms: float | None) -> None:
+        """Admitted into a queue that predicts this wait for it (None: unknown until throughput is measured)."""
         self.admitted_at = time.monotonic()
-        rate = admission.tokens_per_second
-        self.predicted_wait_ms = admission.ahead(0, kind) / rate * 1e3 if rate else None
+        self.predicted_wait_ms = predicted_wait_ms
 
-    def finished(self, req: WordsRequest) -> None:
-        """All of a g2p request's words are decoded (on the decoding thread, before it is answered)."""
+    def finished(self, words: int, beam: int, steps: int) -> None:
+        """All of a g2p request's `words` are decoded, at beam width `beam`, its longest in `steps` decoding
+        steps (on the decoding thread, before it is answered)."""
         self.done = time.monotonic()
-        self.words, self.beam = len(req.sources), req.beam_size
-        # A word's tokens are <s>, its output and </s>: one step produced each after <s>.
-        self.steps = max(len(h.tokens) - 1 for h in req.results if h is not None)
+        self.words, self.beam, self.steps = words, beam, steps
+
+
+class Traced(Protocol):
+    """What a batch's span reads of each request in it (a scheduler's queued item)."""
+
+    @property
+    def trace(self) -> RequestTrace | None: ...
+    @property
+    def started(self) -> float | None: ...
 
 
 class BatchSpan:
@@ -341,17 +342,17 @@ class JoinCounter:
     def __init__(self) -> None:
         self.joined = self.left = 0
 
-    def stepped(self, joining: BatchSpan | None, new: Sequence[Hypothesis], finished: Sequence[Hypothesis]) -> None:
-        """After a step, before its finished requests are answered."""
-        self.joined += len(new)
+    def stepped(self, joining: BatchSpan | None, new: int, finished: Sequence[RequestTrace | None]) -> None:
+        """After a step that `new` words joined and the words of `finished` (each its request's trace, if
+        sampled) left, before their requests are answered."""
+        self.joined += new
         if joining is not None:
             for t in joining.traces:
                 t.marks = (self.joined, self.left)
         self.left += len(finished)
-        for h in finished:
-            t = h.tag[0].trace
-            if t is not None:  # the request's last word to finish writes last
-                t.joins, t.leaves = self.joined - t.marks[0], self.left - t.marks[1]
+        for f in finished:
+            if f is not None:  # the request's last word to finish writes last
+                f.joins, f.leaves = self.joined - f.marks[0], self.left - f.marks[1]
 
 
 class Tracing:
@@ -417,7 +418,7 @@ class Tracing:
         """For a decoding thread: the words that joined and left its batch."""
         return JoinCounter()
 
-    def open_batch(self, model: str, items: Iterable[WorkItem], instance: int, kind: str) -> BatchSpan | None:
+    def open_batch(self, model: str, items: Iterable[Traced], instance: int, kind: str) -> BatchSpan | None:
         """A batch starts: its span, linked to the sampled requests in it; None when none was sampled."""
         unique = {id(x): x for x in items}
         traced = [(x, t) for x in unique.values() if (t := x.trace) is not None]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted, ServingError
-from service.repository.layout import BatchingConfig
+from service.scheduling.config import BatchingConfig
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace
@@ -154,6 +154,12 @@ class Admission:
                     retry_after_ms=self._wait_ms(tokens, kind),
                 )
         return None
+
+    def predicted_queueing_ms(self, kind: str = "") -> float | None:
+        """The wait the queue predicts for a request just admitted into class `kind` (its class's queue and its
+        fair share of the others'); None until throughput is measured."""
+        rate = self.tokens_per_second
+        return self.ahead(0, kind) / rate * 1e3 if rate else None
 
     def ahead(self, tokens: int, kind: str) -> int:
         """The queued tokens served before the last of `tokens` of class `kind` would be: its class's,

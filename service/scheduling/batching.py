@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from service import priority
 from service.errors import Internal, ServingError, Unavailable
-from service.repository.layout import BatchingConfig
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
+from service.scheduling.config import BatchingConfig
 from service.scheduling.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
 
 OVERLAP_HANDOFFS = 3  # see `DynamicBatcher.use`
@@ -142,7 +142,7 @@ class DynamicBatcher:
             raise Unavailable(f"model '{self.name}' is shutting down")
         self.admission.admit(item.tokens, item.deadline)
         if item.trace is not None:
-            item.trace.admitted(self.admission)
+            item.trace.admitted(self.admission.predicted_queueing_ms())
         self.pacing.arrived(item.arrived, busy=bool(self.queue) or len(self._idle) < self.instances)
         if self._inline(item):
             return self._run_inline(item)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from service import priority
 from service.errors import Internal, Unavailable
-from service.repository.layout import BatchingConfig
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
+from service.scheduling.config import BatchingConfig
 from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
@@ -146,7 +146,7 @@ class GenerationScheduler:
         with self._lock:
             self.admission.admit(item.tokens, item.deadline, kind_of(item))
             if item.trace is not None:
-                item.trace.admitted(self.admission, kind_of(item))
+                item.trace.admitted(self.admission.predicted_queueing_ms(kind_of(item)))
             self.queue.append(item)
             self.observer.queue_depth(len(self.queue))
             self._lock.notify()
@@ -266,7 +266,9 @@ class GenerationScheduler:
             req.remaining -= 1
             if req.remaining == 0:
                 if item.trace is not None:
-                    item.trace.finished(req)
+                    # A word's tokens are <s>, its output and </s>: one step produced each after <s>.
+                    steps = max(len(r.tokens) - 1 for r in req.results if r is not None)
+                    item.trace.finished(len(req.sources), req.beam_size, steps)
                 done.append((item, req.results, None))
         self._resolve_all(done)
 
@@ -331,7 +333,7 @@ class GenerationScheduler:
             if company is not None:
                 if joining is not None:
                     joining.close(rows, padded, real)
-                company.stepped(joining, new, finished)
+                company.stepped(joining, len(new), [h.tag[0].trace for h in finished])
             self._finish(finished)  # answer first, then account
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:

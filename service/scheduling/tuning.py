@@ -33,7 +33,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.repository.layout import BatchingConfig
+from service.scheduling.config import BatchingConfig
 
 __all__ = [
     "QUIET_ARRIVALS",

@@ -23,7 +23,8 @@ from tritonclient.utils import InferenceServerException
 
 from service.models.kinds import _has_batch_axis
 from service.models.runtime import TensorSpec
-from service.repository.layout import BatchingConfig, ModelConfig, RepositoryError
+from service.repository.layout import ModelConfig, RepositoryError
+from service.scheduling.config import BatchingConfig
 from tests.conftest import RunningServer, start_server, stop_server
 
 NO_BATCH = ("nobatch", "nobatch_auto")  # [3, 4, 4] -> [10]: max_batch_size 0 in config.json, and none

@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import protocol
-from service.frontends.codec import encode_bytes
+from service.datatypes import encode_bytes
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 

@@ -29,9 +29,9 @@ from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
 from service.loadgen import encoder_request, g2p_word_request
-from service.repository.layout import BatchingConfig
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher, select_batch
+from service.scheduling.config import BatchingConfig
 from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import Recorder, model_stats, until, until_computing

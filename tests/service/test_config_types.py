@@ -24,8 +24,9 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument, ResourceExhausted
-from service.repository.layout import _TOP_LEVEL, LIMITS, BatchingConfig, RepositoryError, as_integer, load_model_config
+from service.repository.layout import _TOP_LEVEL, LIMITS, RepositoryError, as_integer, load_model_config
 from service.scheduling.admission import Admission
+from service.scheduling.config import BatchingConfig
 from tests.conftest import ROOT, RunningServer, start_server
 
 WIDE = 20_000  # a row of the `big` model this long is 20,000 tokens; two are over the default max_queue_tokens 32,768

@@ -23,9 +23,9 @@ import pytest
 from service import protocol
 from service.client import g2p_request
 from service.errors import ResourceExhausted
-from service.repository.layout import BatchingConfig
 from service.scheduling import continuous as scheduler
 from service.scheduling.admission import Admission, WorkItem
+from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import BEAM, GREEDY, FairShare, GenerationScheduler, WordsRequest
 from service.seq2seq.generation import BeamSearch, DecodingBatch, beam_search, greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options

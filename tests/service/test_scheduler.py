@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from service.repository.layout import BatchingConfig
 from service.scheduling.admission import WorkItem
+from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.seq2seq.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options

@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from service import protocol
-from service.repository.layout import BatchingConfig
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher
+from service.scheduling.config import BatchingConfig
 from service.scheduling.tuning import QUIET_ARRIVALS, CostModel, Pacing, sweep, tune
 from tests.conftest import MODELS, start_server, stop_server
 
