@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.datatypes import ONNX_DATATYPES
+from service.errors import InvalidArgument, quote
 from service.repository.layout import ModelConfig, RepositoryError
 from service.seq2seq.graphs import (
     DECODER_FILE,
@@ -79,7 +80,8 @@ def _check_declared(
     if not declared:
         return
     found = {s.name: (s.datatype, list(s.shape)) for s in graph}
-    wanted = {d["name"]: (d["datatype"], list(d["shape"])) for d in declared}
+    # with a `reshape`, the graph has the reshaped shape; clients see the declared one
+    wanted = {d["name"]: (d["datatype"], list(d.get("reshape", d["shape"]))) for d in declared}
     if found != wanted:
         raise RepositoryError(
             f"model '{config.name}' version {config.version}: {path} has {what} {_listing(found)}; "
@@ -91,8 +93,30 @@ def _listing(specs: dict[str, tuple[str, list[int]]]) -> str:
     return ", ".join(f"{name} {datatype} {shape}" for name, (datatype, shape) in sorted(specs.items()))
 
 
+def _client_specs(graph: list[TensorSpec], declared: tuple[dict[str, Any], ...]) -> list[TensorSpec]:
+    """The specs clients see: the graph's, but with a declared shape where config.json reshapes."""
+    shapes = {d["name"]: tuple(d["shape"]) for d in declared if "reshape" in d}
+    return [
+        TensorSpec(s.name, s.datatype, shapes[s.name], (None,) * len(shapes[s.name])) if s.name in shapes else s
+        for s in graph
+    ]
+
+
+def _reshaped(array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """`array` in `shape` (Triton's reshape): a leading -1 (a batch axis) keeps the request's rows, and the
+    rest of each row takes the shape after it."""
+    target = (array.shape[0], *shape[1:]) if shape and shape[0] == -1 and array.ndim else shape
+    try:
+        return array.reshape(target)
+    except ValueError:
+        raise InvalidArgument(
+            f"input {quote(name)}: shape {list(array.shape)} cannot be reshaped to {list(shape)} (config.json reshape)"
+        ) from None
+
+
 class TensorRuntime:
-    """A plain ONNX graph, `config.instances` sessions of it."""
+    """A plain ONNX graph, `config.instances` sessions of it. Where config.json declares a `reshape`, clients
+    send and get the declared shape and the graph sees its own."""
 
     def __init__(self, config: ModelConfig, providers: list[str]) -> None:
         path = config.directory / graph_file("model.onnx", config.precision)
@@ -101,14 +125,26 @@ class TensorRuntime:
         self.config = config
         self.sessions = [_session(path, config, providers) for _ in range(max(1, config.instances))]
         self.provider = self.sessions[0].get_providers()[0]
-        self.inputs = _specs(self.sessions[0].get_inputs())
-        self.outputs = _specs(self.sessions[0].get_outputs())
-        _check_declared(config, "inputs", config.inputs, self.inputs, path)
-        _check_declared(config, "outputs", config.outputs, self.outputs, path)
+        graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())
+        _check_declared(config, "inputs", config.inputs, graph_inputs, path)
+        _check_declared(config, "outputs", config.outputs, graph_outputs, path)
+        self.inputs = _client_specs(graph_inputs, config.inputs)
+        self.outputs = _client_specs(graph_outputs, config.outputs)
+        # name -> (the graph's shape, the client's) of each reshaped tensor
+        self._reshape_in = {d["name"]: tuple(d["reshape"]) for d in config.inputs if "reshape" in d}
+        self._reshape_out = {d["name"]: tuple(d["shape"]) for d in config.outputs if "reshape" in d}
 
     def run(self, instance: int, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
         names = outputs or [o.name for o in self.outputs]
-        return self.sessions[instance].run(names, feeds)  # type: ignore[no-any-return]
+        if self._reshape_in:
+            feeds = {k: _reshaped(v, self._reshape_in[k], k) if k in self._reshape_in else v for k, v in feeds.items()}
+        results: list[np.ndarray] = self.sessions[instance].run(names, feeds)
+        if self._reshape_out:
+            results = [
+                _reshaped(r, self._reshape_out[n], n) if n in self._reshape_out else r
+                for n, r in zip(names, results, strict=True)
+            ]
+        return results
 
 
 class G2PRuntime:

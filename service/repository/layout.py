@@ -227,6 +227,11 @@ LIMITS = {
 }
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 _DECLARATION_KEYS = ("name", "datatype", "shape")
+# Triton's optional fields of a declaration: an input's image layout, a shape the graph sees instead of the
+# client's, and an output's class labels (one a line, in the model's directory) for classification.
+_OPTIONAL_KEYS = {"inputs": ("format", "reshape"), "outputs": ("reshape", "label_filename")}
+FORMATS = ("FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC")
+MAX_LABELS_BYTES = 16 << 20  # a labels file is read whole at load
 
 
 def _top_level(raw: dict[str, Any], where: str) -> None:
@@ -332,8 +337,8 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         raise RepositoryError(
             f"{at}: unknown optimization '{settings['optimization']}' (one of {', '.join(OPTIMIZATIONS)})"
         )
-    inputs = _tensor_declarations(raw["inputs"], "inputs", at) if "inputs" in raw else ()
-    outputs = _tensor_declarations(raw["outputs"], "outputs", at) if "outputs" in raw else ()
+    inputs = _tensor_declarations(raw["inputs"], "inputs", at, model_dir) if "inputs" in raw else ()
+    outputs = _tensor_declarations(raw["outputs"], "outputs", at, model_dir) if "outputs" in raw else ()
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -365,35 +370,67 @@ def read_config(path: Path, where: str) -> dict[str, Any]:
     return raw
 
 
-def _tensor_declarations(raw: Any, section: str, where: str) -> tuple[dict[str, Any], ...]:
+def _dims(raw: Any, at: str, where: str) -> list[int]:
+    """A shape: a list of integers, -1 for a dynamic dimension (decimal strings accepted)."""
+    if not isinstance(raw, list):
+        raise RepositoryError(f"{where}: {at} must be a list of integers, got {_shown(raw)}")
+    dims = [_typed_value("int", n, f"{at}[{j}]", where) for j, n in enumerate(raw)]
+    bad = [n for n in dims if n < -1]
+    if bad:
+        raise RepositoryError(f"{where}: {at}[{dims.index(bad[0])}] must be -1 (dynamic) or >= 0, got {bad[0]}")
+    return dims
+
+
+def read_labels(path: Path, at: str, where: str) -> tuple[str, ...]:
+    """An output's class labels, one a line; the file is bounded before it is read."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_LABELS_BYTES:
+            raise RepositoryError(f"{where}: {at}: {path.name} is {size:,} bytes, the limit is {MAX_LABELS_BYTES:,}")
+        return tuple(path.read_text(encoding="utf-8").splitlines())
+    except (OSError, UnicodeDecodeError) as e:
+        raise RepositoryError(f"{where}: {at}: cannot read {path.name}: {e}") from None
+
+
+def _tensor_declarations(raw: Any, section: str, where: str, model_dir: Path) -> tuple[dict[str, Any], ...]:
     """inputs / outputs: [{"name": str, "datatype": str, "shape": [int, ...]}], dims -1 for dynamic (a dim
-    may be a decimal string, as protobuf's JSON writes 64-bit integers)."""
+    may be a decimal string, as protobuf's JSON writes 64-bit integers); optionally Triton's `format`
+    (inputs), `reshape` ({"shape": [...]}) and `label_filename` (outputs: read here, kept as `labels`)."""
     form = '[{"name": ..., "datatype": ..., "shape": [...]}]'
     if not isinstance(raw, list):
         raise RepositoryError(f"{where}: {section} must be a list {form}, got {_shown(raw)}")
+    known = (*_DECLARATION_KEYS, *_OPTIONAL_KEYS[section])
     out = []
     for i, d in enumerate(raw):
         at = f"{section}[{i}]"
         if not isinstance(d, dict):
             raise RepositoryError(f"{where}: {at} must be a JSON object {form[1:-1]}, got {_shown(d)}")
-        missing, unknown = sorted(set(_DECLARATION_KEYS) - set(d)), sorted(set(d) - set(_DECLARATION_KEYS))
+        missing, unknown = sorted(set(_DECLARATION_KEYS) - set(d)), sorted(set(d) - set(known))
         if missing or unknown:
             said = [f"missing {missing}"] * bool(missing) + [f"unknown setting(s) {unknown}"] * bool(unknown)
-            raise RepositoryError(f"{where}: {at}: {'; '.join(said)}; known: {list(_DECLARATION_KEYS)}")
-        shape = d["shape"]
-        if not isinstance(shape, list):
-            raise RepositoryError(f"{where}: {at}.shape must be a list of integers, got {_shown(shape)}")
-        dims = [_typed_value("int", n, f"{at}.shape[{j}]", where) for j, n in enumerate(shape)]
-        bad = [n for n in dims if n < -1]
-        if bad:
-            raise RepositoryError(
-                f"{where}: {at}.shape[{dims.index(bad[0])}] must be -1 (dynamic) or >= 0, got {bad[0]}"
-            )
-        out.append({
+            raise RepositoryError(f"{where}: {at}: {'; '.join(said)}; known: {list(known)}")
+        declared: dict[str, Any] = {
             "name": _typed_value("str", d["name"], f"{at}.name", where),
             "datatype": _typed_value("str", d["datatype"], f"{at}.datatype", where),
-            "shape": dims,
-        })  # fmt: skip
+            "shape": _dims(d["shape"], f"{at}.shape", where),
+        }
+        if "format" in d:
+            layout = _typed_value("str", d["format"], f"{at}.format", where)
+            if layout not in FORMATS:
+                raise RepositoryError(f"{where}: {at}.format must be one of {', '.join(FORMATS)}, got {_shown(layout)}")
+            declared["format"] = layout
+        if "reshape" in d:
+            reshape = d["reshape"]
+            if not isinstance(reshape, dict) or set(reshape) != {"shape"}:
+                raise RepositoryError(f'{where}: {at}.reshape must be {{"shape": [...]}}, got {_shown(reshape)}')
+            declared["reshape"] = _dims(reshape["shape"], f"{at}.reshape.shape", where)
+        if "label_filename" in d:
+            file = _typed_value("str", d["label_filename"], f"{at}.label_filename", where)
+            path = (model_dir / file).resolve()
+            if path.parent != model_dir.resolve():
+                raise RepositoryError(f"{where}: {at}.label_filename must name a file in the model's directory")
+            declared["labels"] = read_labels(path, f"{at}.label_filename", where)
+        out.append(declared)
     return tuple(out)
 
 
