@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,9 @@ import numpy as np
 from service import protocol
 from service.bench.servers import scrape
 from service.loadgen import encoder_request
+from service.scheduling.admission import WorkItem
+from service.scheduling.continuous import GenerationScheduler, WordsRequest
+from service.seq2seq.vocab import Vocabulary
 from tests.conftest import RunningServer
 
 
@@ -72,3 +76,41 @@ def computing_alone(server: RunningServer) -> bool:
     metrics = scrape(server.metrics_url)
     inflight = metrics.get('qkv_inflight_requests{model="g2p_encoder",version="1"}', 0)
     return inflight == 1 and metrics.get('qkv_queue_depth{model="g2p_encoder",version="1"}', 0) == 0
+
+
+FLOOD_WORDS = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
+
+
+async def beam_beside_greedy_flood(
+    scheduler: GenerationScheduler, graphemes: Vocabulary, steps: Callable[[], int], beam_rows: int
+) -> tuple[list[int], int]:
+    """48 clients loop one-word greedy requests (three batches' worth at max_batch_size 16) until `steps()`
+    passes 20; then one beam-4 request of "pronunciation" (a WorkItem of `beam_rows` rows). Its output, and
+    `steps()` when it was sent. The scheduler is started here and closed after."""
+    scheduler.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    async def convert(word: str, beam_size: int = 1) -> list[int]:
+        src = graphemes.encode(word)
+        rows = beam_rows if beam_size > 1 else 1
+        (hyp,) = await scheduler.submit(
+            WorkItem(rows, len(src) + 1, WordsRequest([src], 40, beam_size), loop.create_future())
+        )
+        return list(hyp.output)
+
+    async def client(i: int) -> None:
+        while not stop.is_set():
+            await convert(FLOOD_WORDS[i % len(FLOOD_WORDS)])
+            i += 1
+
+    flood = [asyncio.create_task(client(i)) for i in range(48)]
+    await until(lambda: steps() >= 20, "the greedy flood's steps")
+    mark = steps()
+    try:
+        beam = await convert("pronunciation", 4)
+    finally:
+        stop.set()
+        await asyncio.gather(*flood)
+        await scheduler.close()
+    return beam, mark
