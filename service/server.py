@@ -66,9 +66,13 @@ MAX_PARAMETERS = 64  # a request's parameters, at most (qkv reads a handful; HTT
 THREAD_ELEMENTS = 1 << 14
 # After a large or refused request, once its message is freed, the heap's free pages go back to the
 # system: a parsed message of millions of small fields leaves its memory scattered through the heap,
-# which glibc would otherwise keep. At most once a TRIM_INTERVAL_S, TRIM_DELAY_S after the request.
+# which glibc would otherwise keep. When the message is freed is not seen (the transport holds it until the
+# call is done, later on a busy machine), so the hand-back is repeated at growing delays: TRIM_DELAY_S after
+# the request, then TRIM_BACKOFF times longer each time, TRIM_TIMES in all; at most once a TRIM_INTERVAL_S.
 TRIM_DELAY_S = 0.2
 TRIM_INTERVAL_S = 1.0
+TRIM_BACKOFF = 4.0
+TRIM_TIMES = 4  # the last some 13 s after the request
 LARGE_FIELDS = 64  # a request with more entries than this in its repeated fields is large
 SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
@@ -524,6 +528,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._trim: asyncio.Task[None] | None = None  # memory handed back soon, after a large request
         self._trimmed = 0.0  # monotonic time of the last hand-back
+        self._trims_left, self._trim_delay = 0, TRIM_DELAY_S  # the hand-backs still due, and the next's delay
         self._http: Any = None  # service.frontends.rest_api.RestServer, when --http-port is not -1
 
     def _options(self) -> list[tuple[str, Any]]:
@@ -588,20 +593,25 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def return_memory_later(self) -> None:
-        """The heap's free pages handed back to the system shortly (once the request's message is gone)."""
+        """The heap's free pages handed back to the system soon, and again at growing delays (once the
+        request's message is gone); a later large request starts the delays over."""
+        self._trims_left, self._trim_delay = TRIM_TIMES, TRIM_DELAY_S
         if self._trim is None:
-            delay = max(TRIM_DELAY_S, self._trimmed + TRIM_INTERVAL_S - time.monotonic())
-            self._trim = asyncio.create_task(self._return_memory(delay))
+            self._trim = asyncio.create_task(self._return_memory())
 
-    async def _return_memory(self, delay: float) -> None:
+    async def _return_memory(self) -> None:
         try:
-            await asyncio.sleep(delay)
-            # A refused call's message can sit in a reference cycle (its frames, via the abort's
-            # traceback) that only a collection frees; after gc.freeze a collection takes some 2 ms.
-            gc.collect()
-            await asyncio.to_thread(return_freed_memory)  # malloc_trim: ctypes lets go of the GIL
+            while self._trims_left > 0:
+                self._trims_left -= 1
+                delay, self._trim_delay = self._trim_delay, self._trim_delay * TRIM_BACKOFF
+                await asyncio.sleep(max(delay, self._trimmed + TRIM_INTERVAL_S - time.monotonic()))
+                # A refused call's message can sit in a reference cycle (its frames, via the abort's
+                # traceback) that only a collection frees; after gc.freeze a collection takes some 2 ms.
+                gc.collect()
+                await asyncio.to_thread(return_freed_memory)  # malloc_trim: ctypes lets go of the GIL
+                self._trimmed = time.monotonic()
         finally:
-            self._trimmed, self._trim = time.monotonic(), None
+            self._trim = None
 
     async def drain(self) -> None:
         """Stop taking work, let admitted requests finish (up to the grace period), stop."""

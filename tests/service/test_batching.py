@@ -34,7 +34,7 @@ from service.scheduling.batching import DynamicBatcher, select_batch
 from service.scheduling.config import BatchingConfig
 from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
-from tests.service.queue_helpers import Recorder, model_stats, until, until_computing
+from tests.service.queue_helpers import Recorder, blocker_request, model_stats, until, until_computing
 
 VOCAB = 33  # g2p_encoder's input vocabulary
 NICE = ServerSettings().compute_nice  # the default --compute-nice
@@ -257,15 +257,6 @@ def held_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     stop_server(s)
 
 
-def _blocker(rows: int, rng: np.random.Generator) -> Any:
-    """`rows` x 512 tokens in one request: seconds of work that holds the instance computing it."""
-    request = encoder_request(512, VOCAB, rng)
-    ids = np.frombuffer(request.raw_input_contents[0], dtype=np.int64)
-    request.inputs[0].shape[:] = request.inputs[1].shape[:] = [rows, 512]
-    request.raw_input_contents[:] = [np.tile(ids, rows).tobytes(), np.ones(rows * 512, np.int64).tobytes()]
-    return request
-
-
 def _inference_count(stub: Any, model: str) -> int:
     return int(model_stats(stub, model).inference_count)
 
@@ -309,7 +300,7 @@ def test_mixed_lengths_batched_return_what_each_request_gets_alone(quiet_server:
 
 def test_an_expired_or_cancelled_request_is_not_computed(held_server: RunningServer) -> None:
     rng = np.random.default_rng(5)
-    blocker = _blocker(64, rng)  # about four seconds on the one instance
+    blocker = blocker_request(64, rng)  # about four seconds on the one instance
     small = encoder_request(16, VOCAB, rng)
 
     async def until_queued(n: float) -> None:
@@ -366,7 +357,7 @@ def test_an_expired_or_cancelled_request_is_not_computed(held_server: RunningSer
 
 def test_a_cancelled_stream_takes_its_queued_requests_with_it(held_server: RunningServer) -> None:
     rng = np.random.default_rng(6)
-    blocker = _blocker(64, rng)
+    blocker = blocker_request(64, rng)
     small = [encoder_request(16, VOCAB, rng) for _ in range(3)]
 
     async def run() -> bool:
@@ -475,7 +466,7 @@ def test_a_full_queue_refuses_before_reading_the_request(tmp_path: Path) -> None
     models = variant(MODELS, tmp_path / "models", {"g2p_encoder": one_queued})
     s = start_server(["--model-repository", str(models), "--compute-nice", "0"], tmp_path / "server.log")
     rng = np.random.default_rng(7)
-    blocker = _blocker(32, rng)
+    blocker = blocker_request(32, rng)
     malformed = encoder_request(16, VOCAB, rng)
     malformed.raw_input_contents[0] = malformed.raw_input_contents[0][:-3]  # not a whole number of INT64s
 
@@ -524,7 +515,7 @@ def test_a_fresh_server_holds_a_flood_to_its_queueing_objective(tmp_path: Path) 
         big = [("grpc.max_receive_message_length", 64 << 20)]
         async with grpc.aio.insecure_channel(s.url, options=big) as channel:
             stub = protocol.Stub(channel)
-            first = asyncio.ensure_future(stub.ModelInfer(_blocker(32, rng), timeout=120))
+            first = asyncio.ensure_future(stub.ModelInfer(blocker_request(32, rng), timeout=120))
             await until_computing(s, first)  # nothing queued yet and no batch measured under load
 
             async def one(request: Any) -> tuple[str, str]:

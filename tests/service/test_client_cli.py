@@ -57,7 +57,8 @@ def test_client_retries_until_a_restarting_server_is_back(tmp_path: Path) -> Non
     t = threading.Thread(target=start_late)
     t.start()
     try:
-        with Client(f"127.0.0.1:{port}", timeout=40) as c:
+        # a deadline far beyond a server's start on a loaded machine: only a client that stops retrying fails
+        with Client(f"127.0.0.1:{port}", timeout=300) as c:
             assert len(c.g2p(["hello"])) == 1
     finally:
         t.join()

@@ -32,7 +32,7 @@ from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, start_server, stop_server
 from tests.figures import FIGURES as ALL_FIGURES
-from tests.service.queue_helpers import until
+from tests.service.queue_helpers import beam_beside_greedy_flood, until
 
 FIGURES = ALL_FIGURES.setdefault("fair decoding", {})  # printed in the run's summary
 
@@ -252,38 +252,11 @@ def test_a_beam_request_steps_between_every_few_greedy_steps_under_a_greedy_floo
     g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary], steps: list[tuple[str, int]]
 ) -> None:
     model, graphemes = g2p_graphs
-    words = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
     (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
     config = BatchingConfig(max_batch_size=16)
-
-    async def run() -> tuple[list[int], int]:
-        s = GenerationScheduler("g2p", config, [model])
-        s.start()
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-
-        async def convert(word: str, k: int = 1) -> list[int]:
-            src = graphemes.encode(word)
-            (hyp,) = await s.submit(WorkItem(k, len(src) + 1, WordsRequest([src], 40, k), loop.create_future()))
-            return hyp.output
-
-        async def client(i: int) -> None:
-            while not stop.is_set():
-                await convert(words[i % len(words)])
-                i += 1
-
-        flood = [asyncio.create_task(client(i)) for i in range(48)]  # 48 words for a batch of 16
-        await until(lambda: len(steps) >= 20, "the greedy flood's steps")
-        mark = len(steps)
-        try:
-            beam = await convert("pronunciation", 4)
-        finally:
-            stop.set()
-            await asyncio.gather(*flood)
-            await s.close()
-        return beam, mark
-
-    beam, mark = asyncio.run(run())
+    scheduler = GenerationScheduler("g2p", config, [model])
+    run = beam_beside_greedy_flood(scheduler, graphemes, lambda: len(steps), beam_rows=4)
+    beam, mark = asyncio.run(run)
     assert beam == expected.output
     ours = [i for i, (w, _) in enumerate(steps) if w == BEAM]
     assert ours and ours[0] >= mark

@@ -18,7 +18,7 @@ from service.seq2seq.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, 
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS
-from tests.service.queue_helpers import Recorder, until
+from tests.service.queue_helpers import Recorder, beam_beside_greedy_flood, until
 
 # -- GenerationScheduler on the shipped g2p graphs -------------------------------------------------
 
@@ -157,40 +157,12 @@ def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
     """With more greedy words waiting than a batch holds, joins come every step and the greedy batch
     never empties: the beam search runs beside it, its steps taking turns with the batch's."""
     model, graphemes = g2p_graphs
-    words = ["cat", "internationalization", "on", "the", "counterrevolutionaries", "mat", "dog", "a"]
     (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
-
-    async def run() -> tuple[list[int], int]:
-        seen = Recorder()
-        scheduler = GenerationScheduler("g2p", BatchingConfig(max_batch_size=16), [model], observer=seen)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-
-        async def convert(word: str, beam_size: int = 1) -> list[int]:
-            src = graphemes.encode(word)
-            item = WorkItem(1, len(src) + 1, WordsRequest([src], 40, beam_size), loop.create_future())
-            (hyp,) = await scheduler.submit(item)
-            return hyp.output
-
-        async def client(i: int) -> None:
-            while not stop.is_set():
-                await convert(words[i % len(words)])
-                i += 1
-
-        flood = [asyncio.create_task(client(i)) for i in range(48)]  # 48 words for a batch of 16
-        await until(lambda: len(seen.batches) >= 20)
-        try:
-            beam = await asyncio.wait_for(convert("pronunciation", 4), timeout=20)
-        finally:
-            stop.set()
-            await asyncio.gather(*flood)
-            await scheduler.close()
-        return beam, len(seen.batches)
-
-    beam, steps = asyncio.run(run())
+    seen = Recorder()
+    scheduler = GenerationScheduler("g2p", BatchingConfig(max_batch_size=16), [model], observer=seen)
+    beam, mark = asyncio.run(beam_beside_greedy_flood(scheduler, graphemes, lambda: len(seen.batches), beam_rows=1))
     assert beam == expected.output
-    assert steps > 20
+    assert mark >= 20 and len(seen.batches) > mark  # it was sent into the flood, and the flood stepped beside it
 
 
 def test_capacity_is_measured_only_from_steps_that_could_take_no_more_words(

@@ -5,6 +5,7 @@ batch together."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,10 +16,10 @@ import pytest
 import tritonclient.grpc as g
 
 from service import protocol
-from service.bench import variant
+from service.bench import scrape, variant
 from service.loadgen import encoder_request, g2p_word_request
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
-from tests.service.queue_helpers import model_stats
+from tests.service.queue_helpers import blocker_request, computing_alone, model_stats
 from tests.service.test_protocol import encoder_inputs, text_input
 
 
@@ -66,7 +67,13 @@ def one_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     scratch = tmp_path_factory.mktemp("streaming")
     one = {
         "instances": 1,
-        "batching": {"inline_max_tokens": 0, "max_queue_wait_ms": 600_000, "max_queue_tokens": 65536},
+        "batching": {
+            "inline_max_tokens": 0,
+            "max_queue_wait_ms": 600_000,
+            "max_queue_tokens": 65536,
+            "token_budget": 8192,
+            "max_batch_size": 64,
+        },
     }
     s = start_server(["--model-repository", str(variant(MODELS, scratch / "models", {"g2p_encoder": one}))],
                      scratch / "server.log")  # fmt: skip
@@ -74,14 +81,22 @@ def one_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     stop_server(s)
 
 
+QUEUED = 'qkv_queue_depth{model="g2p_encoder",version="1"}'
+
+
 def _statistics(stub: Any, model: str) -> tuple[int, int]:
     stats = model_stats(stub, model)
     return stats.inference_count, stats.execution_count
 
 
+def _read_stream(stub: Any, requests: list[Any], answers: list[Any]) -> None:
+    answers.extend(stub.ModelStreamInfer(iter(requests), timeout=600))
+
+
 def test_one_streams_requests_run_together(one_instance: RunningServer) -> None:
-    """Requests sent back to back on one stream are in flight at once, so they share batches:
-    fewer runs than requests. (Answered one at a time, every request would be a run of its own.)"""
+    """Requests sent back to back on one stream are in flight at once, so they share batches: fewer runs
+    than requests. A blocker holds the one instance until the stream's requests are seen queued together
+    (answered one at a time, at most one would ever be queued), and the next batch takes them together."""
     server = one_instance
     rng = np.random.default_rng(1)
     requests = [encoder_request(64, 33, rng) for _ in range(48)]  # several fit one batch's token budget
@@ -90,12 +105,27 @@ def test_one_streams_requests_run_together(one_instance: RunningServer) -> None:
     with grpc.insecure_channel(server.url) as channel:
         stub = protocol.Stub(channel)
         before = _statistics(stub, "g2p_encoder")
-        answers = list(stub.ModelStreamInfer(iter(requests), timeout=60))
+        for rows in (8, 16, 32, 64):  # a longer blocker while this machine reads the stream more slowly
+            blocker = stub.ModelInfer.future(blocker_request(rows, rng), timeout=600)
+            end = time.monotonic() + 60
+            while not computing_alone(server):
+                assert not blocker.done() and time.monotonic() < end, "the blocker was not seen computing alone"
+            answers: list[Any] = []
+            reader = threading.Thread(target=_read_stream, args=(stub, requests, answers))
+            reader.start()
+            while not blocker.done() and scrape(server.metrics_url).get(QUEUED, 0) < 2:
+                time.sleep(0.01)
+            held = not blocker.done()
+            reader.join()
+            blocker.result()
+            if held:
+                break
         after = _statistics(stub, "g2p_encoder")
+    assert held, "a blocker of 64 x 512 tokens finished before two of the stream's requests were queued"
     assert sorted(int(a.infer_response.id) for a in answers) == list(range(48))
     assert not any(a.error_message for a in answers)
-    inferences, executions = after[0] - before[0], after[1] - before[1]
-    assert inferences == 48 and executions < inferences, (inferences, executions)
+    inferences, executions = after[0] - before[0], after[1] - before[1]  # blockers included
+    assert executions < inferences, (inferences, executions)
 
 
 def test_an_unknown_model_on_a_stream_is_an_error_message(server: RunningServer) -> None:
