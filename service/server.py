@@ -38,6 +38,7 @@ from service.errors import (
 )
 from service.frontends.codec import decode_tensor, element_count, fill_output
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
+from service.models.classification import classify
 from service.models.kinds import ModelStats, TensorModel
 from service.observability import logs
 from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
@@ -139,7 +140,9 @@ class InferenceService:
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return protocol.ServerMetadataResponse(
-            name="qkv", version=__version__, extensions=["model_configuration", "statistics", "model_repository"]
+            name="qkv",
+            version=__version__,
+            extensions=["classification", "model_configuration", "statistics", "model_repository"],
         )
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -156,10 +159,7 @@ class InferenceService:
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         m = await self._call(context, self._model, request.name, request.version)
         batched = m.max_batch_size > 0
-
-        def dims(shape: tuple[int, ...]) -> list[int]:
-            return list(shape[1:]) or [1] if batched else list(shape)
-
+        declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
         types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
         types["BYTES"] = int(protocol.DataType.TYPE_STRING)
         b = m.batcher.config if isinstance(m, TensorModel) else m.config.batching
@@ -168,10 +168,8 @@ class InferenceService:
             platform="onnxruntime_onnx",
             backend="onnxruntime",
             max_batch_size=m.max_batch_size,
-            input=[protocol.ModelInput(name=s.name, data_type=types[s.datatype], dims=dims(s.shape)) for s in m.inputs],
-            output=[
-                protocol.ModelOutput(name=s.name, data_type=types[s.datatype], dims=dims(s.shape)) for s in m.outputs
-            ],
+            input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.inputs],
+            output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.outputs],
             instance_group=[
                 protocol.ModelInstanceGroup(
                     name=m.name,
@@ -250,9 +248,14 @@ class InferenceService:
             try:
                 raw = parse_config(value)  # bounded in size and depth: no RecursionError
             except (TypeError, ValueError) as e:
-                raise InvalidArgument(f"load parameter 'config' is not JSON: {e}") from None
+                raise InvalidArgument(
+                    f"failed to load {quote(request.model_name)}: load parameter 'config' is not JSON: {e}"
+                ) from None
             if not isinstance(raw, dict):
-                raise InvalidArgument(f"load parameter 'config' must be a JSON object, got {type(raw).__name__}")
+                raise InvalidArgument(
+                    f"failed to load {quote(request.model_name)}: load parameter 'config' must be a JSON object, "
+                    f"got {type(raw).__name__}"
+                )
         await self.registry.load(request.model_name, raw)
 
     async def _unload(self, request: Any) -> None:
@@ -395,7 +398,7 @@ class InferenceService:
             metrics.tokens.labels(model.name, model.version, "input").inc(result.tokens_in)
             metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
             response = protocol.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
-            for name, array in result.outputs.items():
+            for name, array in _classified(request, model, result.outputs).items():
                 response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
             outcome = response
         except ServingError as e:
@@ -459,6 +462,46 @@ def _misnamed(names: Any, known: list[str], what: str, model: Model) -> str:
             return f"{what} {quote(name)} given twice"
         seen.add(name)
     return ""  # unreachable: len(known) + 1 names among len(known)
+
+
+def _triton_dims(shape: Any, batched: bool) -> list[int]:
+    """A shape as Triton's ModelConfig writes it: without the batch axis when there is one."""
+    return list(shape[1:]) or [1] if batched else list(shape)
+
+
+def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+    """An input as Triton's ModelConfig shows it, with config.json's format and reshape."""
+    i = protocol.ModelInput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
+    if "format" in declared:
+        i.format = protocol.ModelInput.Format.Value(declared["format"])
+    if "reshape" in declared:
+        i.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
+    return i
+
+
+def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+    """An output as Triton's ModelConfig shows it, with config.json's reshape and labels file."""
+    o = protocol.ModelOutput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
+    if "reshape" in declared:
+        o.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
+    if "labels" in declared:
+        o.label_filename = declared["label_filename"]
+    return o
+
+
+def _classified(request: Any, model: Model, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES)."""
+    counts = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
+    if not counts:
+        return outputs
+    labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
+    batched = isinstance(model, TensorModel) and model.batchable
+    out = dict(outputs)
+    for name, parameter in counts.items():
+        if parameter.WhichOneof("parameter_choice") != "int64_param":
+            raise InvalidArgument(f"output {quote(name)}: classification must be an integer class count")
+        out[name] = classify(outputs[name], parameter.int64_param, labels.get(name, ()), batched, name)
+    return out
 
 
 def _large(request: Any) -> bool:

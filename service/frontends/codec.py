@@ -98,7 +98,10 @@ def decode_tensor(tensor: Any, raw_contents: Callable[[], bytes] | None, limits:
         raise InvalidArgument(f"input {quote(name)}: {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
     if raw_contents is not None:
         if tensor.HasField("contents"):
-            raise InvalidArgument(f"input {quote(name)}: both typed contents and raw_input_contents given")
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for {quote(name)}: "
+                "both typed contents and raw_input_contents given"
+            )
         raw = raw_contents()
         if datatype == "BYTES":
             return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from service import protocol
 from service.datatypes import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
-from service.errors import InvalidArgument, quote
+from service.errors import InvalidArgument, clip, quote
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -265,6 +265,13 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
             raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
         if "binary_data" in out_params:
             parsed.binary_outputs[name] = bool(out_params["binary_data"])
+        if "classification" in out_params:  # Triton's classification extension: the top k classes
+            count = out_params["classification"]
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise InvalidArgument(
+                    f"output {quote(name)}: classification must be an integer, got {clip(repr(count))}"
+                )
+            request.outputs[-1].parameters["classification"].int64_param = count
     return parsed
 
 

@@ -430,6 +430,7 @@ def _tensor_declarations(raw: Any, section: str, where: str, model_dir: Path) ->
             if path.parent != model_dir.resolve():
                 raise RepositoryError(f"{where}: {at}.label_filename must name a file in the model's directory")
             declared["labels"] = read_labels(path, f"{at}.label_filename", where)
+            declared["label_filename"] = file
         out.append(declared)
     return tuple(out)
 

@@ -148,15 +148,21 @@ class ModelRegistry:
         """The version asked for, or the newest ready one."""
         served = self.models.get(name)
         if served is None:
-            raise NotFound(f"unknown model {quote(name)} (served: {', '.join(self.ready_names()) or 'none'})")
+            raise NotFound(
+                f"Request for unknown model: {quote(name)} is not found "
+                f"(served: {', '.join(self.ready_names()) or 'none'})"
+            )
         if not served.versions:
-            raise Unavailable(f"model '{name}' has no version ready: {served.reason or 'not loaded'}")
+            raise Unavailable(
+                f"Request for unknown model: '{name}' has no available versions: {served.reason or 'not loaded'}"
+            )
         if not version:
             return served.ordered()[-1]
         model = served.versions.get(version)
         if model is None:
             raise NotFound(
-                f"model '{name}' has no version {quote(version)} ready (served: {', '.join(sorted(served.versions))})"
+                f"Request for unknown model: '{name}' version {quote(version)} is not found (served versions: "
+                f"{', '.join(sorted(served.versions))})"
             )
         return model
 
@@ -217,7 +223,9 @@ class ModelRegistry:
         except RepositoryError:  # the repository itself is gone
             directory = None
         if directory is None:
-            raise NotFound(f"no model {quote(name)} in the model repository")
+            raise NotFound(
+                f"failed to load {quote(name)}, failed to poll from model repository: no model {quote(name)} in it"
+            )
         served = self.models.setdefault(name, ServedModel(directory))
         async with served.lock:
             await self._load(served, name, raw)
@@ -287,7 +295,10 @@ class ModelRegistry:
         """Stop serving `name`: new requests are refused at once; queued and running ones finish first."""
         served = self.models.get(name)
         if served is None:
-            raise NotFound(f"unknown model {quote(name)} (loaded: {', '.join(self.ready_names()) or 'none'})")
+            raise NotFound(
+                f"Request for unknown model: {quote(name)} is not found "
+                f"(loaded: {', '.join(self.ready_names()) or 'none'})"
+            )
         async with served.lock:
             leaving = list(served.versions.values())
             served.versions, served.prints = {}, {}

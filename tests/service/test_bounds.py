@@ -190,7 +190,8 @@ def test_unknown_model_names_add_no_series_and_get_a_short_not_found(hostile_ser
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert (
         e.value.details()
-        == f"unknown model 'n{'n' * (QUOTE_CHARS - 1)}…' (100,000 characters) (served: g2p, g2p_encoder)"
+        == f"Request for unknown model: 'n{'n' * (QUOTE_CHARS - 1)}…' (100,000 characters) is not found "
+        "(served: g2p, g2p_encoder)"
     )
     bounds.check()
     text = urllib.request.urlopen(hostile_server.metrics_url, timeout=10).read().decode()

@@ -496,7 +496,7 @@ LIMITS = [
         ),
         "1 raw_input_contents for 2 inputs: give one per input",
     ),
-    ("raw and typed", _both(), "input 'input_ids': both typed contents and raw_input_contents given"),
+    ("raw and typed", _both(), "contents field must not be specified when using raw_input_contents for 'input_ids'"),
     (
         "unknown input",
         _tensor("g2p", ("WORDS", "BYTES", [1], encode_bytes(np.array([b"a"], object)))),

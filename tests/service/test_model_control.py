@@ -447,4 +447,4 @@ def test_load_and_unload_over_http(explicit: Explicit) -> None:
     assert post("/v2/repository/models/scale/unload") == (200, "")
     assert not client.is_model_ready("scale")
     status, body = post("/v2/repository/models/nope/load")
-    assert status == 404 and "no model 'nope'" in json.loads(body)["error"]
+    assert status == 404 and "failed to load 'nope', failed to poll from model repository" in json.loads(body)["error"]

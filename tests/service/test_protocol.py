@@ -163,7 +163,7 @@ def test_health_overall_and_per_model_and_reflection(server: RunningServer) -> N
 
 
 ERRORS = [
-    ("unknown model", lambda c: c.infer("nope", [text_input(["a"])]), "NOT_FOUND", "unknown model 'nope'"),
+    ("unknown model", lambda c: c.infer("nope", [text_input(["a"])]), "NOT_FOUND", "Request for unknown model: 'nope'"),
     ("unknown version", lambda c: c.infer("g2p", [text_input(["a"])], model_version="7"), "NOT_FOUND", "version '7'"),
     ("wrong dtype", lambda c: c.infer("g2p", [_fp32("TEXT")]), "INVALID_ARGUMENT", "TEXT"),
     ("empty text", lambda c: c.infer("g2p", [text_input(["  ,  "])]), "INVALID_ARGUMENT", "empty"),

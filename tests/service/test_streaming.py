@@ -133,7 +133,7 @@ def test_an_unknown_model_on_a_stream_is_an_error_message(server: RunningServer)
     request.id = "x"
     with grpc.insecure_channel(server.url) as channel:
         (answer,) = protocol.Stub(channel).ModelStreamInfer(iter([request]), timeout=10)
-    assert answer.error_message.startswith("NOT_FOUND: unknown model 'nope'")
+    assert answer.error_message.startswith("NOT_FOUND: Request for unknown model: 'nope' is not found")
     assert (answer.infer_response.id, answer.infer_response.model_name) == ("x", "nope")  # which request failed
 
 

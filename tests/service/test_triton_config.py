@@ -130,3 +130,26 @@ def test_classification_ranks_by_value_highest_first_ties_by_index() -> None:
     for bad, count in ((np.array(["x"], dtype=np.object_), 1), (scores, 0)):
         with pytest.raises(InvalidArgument):
             classify(bad, count, (), True, "P")
+
+
+def test_classification_over_grpc_and_http_with_labels_and_the_config_triton_clients_read(
+    server: RunningServer,
+) -> None:
+    """An output asked for with `class_count` comes back as its top classes, labelled from label_filename;
+    the model's configuration shows the format, the reshape and the labels file as Triton's does."""
+    import tritonclient.http as h
+
+    x = np.array([[[1, 2], [3, 4]], [[-1, -2], [-3, -4]]], dtype=np.float32)
+    for module, url in ((g, server.url), (h, server.http_url)):
+        client = module.InferenceServerClient(url)
+        t = module.InferInput("X", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        answer = client.infer("flat_sum", [t], outputs=[module.InferRequestedOutput("S", class_count=1)])
+        assert answer.as_numpy("S").tolist() == [[b"10.000000:0:total"], [b"-10.000000:0:total"]], module
+        with pytest.raises(InferenceServerException):  # a class count that is not a positive integer
+            client.infer("flat_sum", [t], outputs=[module.InferRequestedOutput("S", class_count=-1)])
+    config = g.InferenceServerClient(server.url).get_model_config("flat_sum").config
+    assert g.model_config_pb2.ModelInput.Format.Name(config.input[0].format) == "FORMAT_NONE"
+    assert list(config.input[0].dims) == [2, 2] and list(config.input[0].reshape.shape) == [4]
+    assert config.output[1].label_filename == "labels.txt"
+    assert "classification" in g.InferenceServerClient(server.url).get_server_metadata().extensions
