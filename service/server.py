@@ -8,6 +8,7 @@ stops the start. Who may call it (TLS, bearer tokens) is service/frontends/secur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import json
@@ -79,6 +80,7 @@ SWITCH_INTERVAL_S = 0.0005
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
+CLOSE_FLOOR_S = 1.0  # drain: what versions get to stop their threads, even when the grace period is spent
 MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
 
 
@@ -201,7 +203,7 @@ class InferenceService:
             chosen = self.registry.served()
         response = protocol.ModelStatisticsResponse()
         for m in chosen:
-            s: ModelStats = m.stats
+            s: ModelStats = m.stats.snapshot()
             stats = response.model_stats.add(
                 name=m.name,
                 version=m.version,
@@ -378,7 +380,7 @@ class InferenceService:
             if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
                 raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
             model = self._model(request.model_name, request.model_version)
-            model.answering += 1  # an unloaded version's series go once this is back to 0
+            model.in_flight.enter()  # a leaving version is freed, and its series go, once none is held
             metrics.inflight.labels(model.name, model.version).inc()
             if server.draining:
                 raise Unavailable("the server is shutting down")
@@ -418,13 +420,7 @@ class InferenceService:
                 label, version = model.name, model.version
                 metrics.inflight.labels(model.name, model.version).dec()
                 model_name = model.name
-                stats = model.stats
-                if code == "OK":
-                    stats.success_count += 1
-                    stats.success_ns += int(seconds * 1e9)
-                else:
-                    stats.fail_count += 1
-                    stats.fail_ns += int(seconds * 1e9)
+                model.stats.answered(code == "OK", int(seconds * 1e9))
             elif request.model_name in self.registry.models:  # a model of the repository: its version unknown
                 label = request.model_name
             metrics.requests.labels(label, version, code).inc()
@@ -437,7 +433,7 @@ class InferenceService:
                 line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
             if model is not None:
-                model.answering -= 1
+                model.in_flight.leave()
             if code == "INVALID_ARGUMENT" or _large(request):
                 server.return_memory_later()
         return outcome
@@ -663,21 +659,33 @@ class Server:
         self.draining = True
         await self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING at once
         deadline = time.monotonic() + self.settings.grace_period
-        # Wait for admitted work, and for clients to stop sending: a call that arrives while the
-        # transport shuts down would be cancelled instead of answered UNAVAILABLE.
-        while time.monotonic() < deadline and (self.active or time.monotonic() - self.last_arrival < QUIET_SECONDS):
-            await asyncio.sleep(0.02)
+        await self._settle(deadline)
         if self.active:
             log.warning("grace period over with %d requests still running", self.active)
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
         if self._http is not None:
             await self._http.stop()
-        await self.registry.close()
+        await self.registry.close(max(CLOSE_FLOOR_S, deadline - time.monotonic()))
         if self._trim is not None:
             self._trim.cancel()
         if self.tracing is not None:  # export what is buffered, for tracing.SHUTDOWN_S at most
             await asyncio.to_thread(self.tracing.shutdown)
+
+    async def _settle(self, deadline: float) -> None:
+        """Until admitted work is answered (every version's in-flight leases given back) and clients have
+        stopped sending for QUIET_SECONDS, or `deadline`: a call that arrives while the transport shuts
+        down would be cancelled instead of answered UNAVAILABLE."""
+        while (left := deadline - time.monotonic()) > 0:
+            busy = [m.in_flight.idle() for m in self.registry.served() if m.in_flight.count]
+            if busy:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*busy), left)
+                continue
+            quiet = self.last_arrival + QUIET_SECONDS - time.monotonic()
+            if quiet <= 0:
+                return
+            await asyncio.sleep(min(quiet, left))  # to the end of the quiet period, then look again
 
     async def wait(self) -> None:
         if self._grpc is not None:

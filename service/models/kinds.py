@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import string
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -27,6 +28,7 @@ from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
+from service.scheduling.leases import InFlight
 from service.scheduling.tuning import CostModel, Tuning, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 
@@ -52,7 +54,10 @@ class Result:
 
 @dataclass
 class ModelStats:
-    """Per-model counts and times for Triton's ModelStatistics (nanoseconds)."""
+    """Per-model counts and times for Triton's ModelStatistics (nanoseconds).
+
+    Updated from every instance thread and from the event loop at once: each update takes the lock (an
+    uncontended one costs little next to a batch), and readers take a `snapshot`, consistent as a whole."""
 
     success_count: int = 0
     success_ns: int = 0
@@ -65,11 +70,43 @@ class ModelStats:
     last_inference_ms: int = 0
     batches: dict[int, list[int]] = field(default_factory=dict)  # batch size -> [count, compute ns]
     request_compute_ns: int = 0  # summed over requests: each counts its whole batch, as Triton does
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def account_request(self, item: WorkItem) -> None:
+        """A request answered by its batch: its time queued and its batch's compute."""
         started = item.started or item.arrived
-        self.queue_ns += int((started - item.arrived) * 1e9)
-        self.request_compute_ns += int((time.monotonic() - started) * 1e9)
+        queued, computed = int((started - item.arrived) * 1e9), int((time.monotonic() - started) * 1e9)
+        with self._lock:
+            self.queue_ns += queued
+            self.request_compute_ns += computed
+
+    def executed(self, rows: int, ns: int, by_size: bool = True) -> None:
+        """A batch of `rows` computed in `ns` (`by_size`: counted under its size too)."""
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            self.inference_count += rows
+            self.execution_count += 1
+            self.compute_ns += ns
+            self.last_inference_ms = now_ms
+            if by_size:
+                entry = self.batches.setdefault(rows, [0, 0])
+                entry[0] += 1
+                entry[1] += ns
+
+    def answered(self, ok: bool, ns: int) -> None:
+        """A request answered (`ok`) or failed, `ns` after it arrived."""
+        with self._lock:
+            if ok:
+                self.success_count += 1
+                self.success_ns += ns
+            else:
+                self.fail_count += 1
+                self.fail_ns += ns
+
+    def snapshot(self) -> ModelStats:
+        """A copy of the counts as they are now, no update half made."""
+        with self._lock:
+            return replace(self, batches={k: list(v) for k, v in self.batches.items()}, _lock=threading.Lock())
 
 
 def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
@@ -166,7 +203,7 @@ class TensorModel:
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
-        self.answering = 0  # requests between their lookup and their answer (the server counts them)
+        self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         self.batchable = _has_batch_axis(config, [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
         self._seq_names = {
@@ -363,25 +400,15 @@ class TensorModel:
                 mine[o.name] = np.ascontiguousarray(arrays[o.name][tuple(index)])
             out.append(mine)
             start += x.rows
-        self._account(sum(x.rows for x in items), time.perf_counter_ns() - t0)
+        self.stats.executed(sum(x.rows for x in items), time.perf_counter_ns() - t0)
         return out
 
     def _run_alone(self, item: WorkItem, instance: int) -> dict[str, np.ndarray]:
         t0 = time.perf_counter_ns()
         wanted = [o.name for o in self.outputs if o.name in item.payload[1]]
         arrays = self.runtime.run(instance, item.payload[0], wanted)
-        self._account(1, time.perf_counter_ns() - t0)
+        self.stats.executed(1, time.perf_counter_ns() - t0)
         return dict(zip(wanted, arrays, strict=True))
-
-    def _account(self, rows: int, ns: int) -> None:
-        s = self.stats
-        s.inference_count += rows
-        s.execution_count += 1
-        s.compute_ns += ns
-        s.last_inference_ms = int(time.time() * 1000)
-        entry = s.batches.setdefault(rows, [0, 0])
-        entry[0] += 1
-        entry[1] += ns
 
 
 # Punctuation stripped around words, apostrophes kept ('bout, james'); a character left inside a word
@@ -436,7 +463,7 @@ class G2PModel:
         self.max_beam_size = int(limits.get("max_beam_size", 8))
         self.max_batch_size = config.batching.max_batch_size
         self.stats = ModelStats()
-        self.answering = 0  # requests between their lookup and their answer (the server counts them)
+        self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
         self.admission = self.scheduler.admission
 
@@ -585,7 +612,8 @@ class G2PModel:
         t0 = time.perf_counter_ns()
         hyps: list[Hypothesis] = await self.scheduler.submit(item)
         self.stats.account_request(item)
-        self._account(len(sources), time.perf_counter_ns() - t0)
+        # Its words decode in continuous batches shared with others: no batch size of its own.
+        self.stats.executed(len(sources), time.perf_counter_ns() - t0, by_size=False)
         decoded = [self.phonemes.decode(h.output) for h in hyps]
         joined, k = [], 0
         for ws in elements:
@@ -602,10 +630,3 @@ class G2PModel:
                 att[i, : len(d), : rows.shape[1]] = rows
             result["ATTENTION"] = att
         return Result(result, longest, sum(map(len, sources)), sum(map(len, decoded)))
-
-    def _account(self, words: int, ns: int) -> None:
-        s = self.stats
-        s.inference_count += words
-        s.execution_count += 1
-        s.compute_ns += ns
-        s.last_inference_ms = int(time.time() * 1000)

@@ -112,6 +112,9 @@ class DynamicBatcher:
         self._dispatcher: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.select = select_batch  # the choice of the next batch
+        self.failure = ""  # why the dispatcher stopped, once it has: every request is refused with it
+        self.on_failure: Callable[[ServingError], None] | None = None  # told once, when the dispatcher dies
         self.cost: CostModel | None = None  # set by `use`: the model's measured cost, kept current
         self.pacing = Pacing(None)  # without a cost model, a partial batch waits whenever company may come
         self.tracer: Tracing | None = None  # set by a server that traces requests
@@ -134,10 +137,26 @@ class DynamicBatcher:
         self.pacing = Pacing(None if "max_queue_delay_ms" in tuning.given else cost, overlap)
 
     def start(self) -> None:
-        self._dispatcher = asyncio.create_task(self._dispatch())
+        self._dispatcher = asyncio.create_task(self._dispatch(), name=f"qkv-{self.name}-dispatch")
+        self._dispatcher.add_done_callback(self._dispatcher_ended)
+
+    def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
+        """Supervision: a dispatcher that died fails what is queued and all that comes after, and says so."""
+        error = None if task.cancelled() else task.exception()
+        if error is None:
+            return
+        self.failure = f"model '{self.name}' is unavailable: its batch scheduler failed: {error!r}"
+        log.error("%s", self.failure, exc_info=error)
+        for x in self._take(list(range(len(self.queue)))):
+            if not x.future.done():
+                x.future.set_exception(Unavailable(self.failure))
+        if self.on_failure is not None:
+            self.on_failure(Unavailable(self.failure))
 
     async def submit(self, item: WorkItem) -> Any:
         """Queue `item` and wait for its result; raises a ServingError on refusal or failure."""
+        if self.failure:
+            raise Unavailable(self.failure)
         if self._closed:
             raise Unavailable(f"model '{self.name}' is shutting down")
         self.admission.admit(item.tokens, item.deadline)
@@ -224,8 +243,11 @@ class DynamicBatcher:
             await asyncio.wait_for(self._changed.wait(), seconds)
 
     async def _dispatch(self) -> None:
+        """Hand batches to idle instances until closed and the queue is empty."""
         while True:
             self._prune()
+            if not self.queue and self._closed:
+                return
             if not self.queue or not self._idle:
                 await self._wait()  # a new request or a finished batch sets it
                 continue
@@ -235,12 +257,22 @@ class DynamicBatcher:
                 continue
             c = self.config
             max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
-            items = self._take(select_batch(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
+            items = self._take(self.select(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
             task = asyncio.create_task(self._run(items, self._idle.pop()))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
     async def _run(self, items: list[WorkItem], instance: int) -> None:
+        """One batch on `instance`; whatever goes wrong, each of its requests is answered."""
+        try:
+            await self._run_batch(items, instance)
+        except Exception as e:
+            log.error("model '%s': batch of %d failed outside its computation", self.name, len(items), exc_info=e)
+            for x in items:
+                if not x.future.done():
+                    x.future.set_exception(Internal(f"model '{self.name}' failed on this batch: {e}"))
+
+    async def _run_batch(self, items: list[WorkItem], instance: int) -> None:
         start = time.monotonic()
         for x in items:
             x.started = start
@@ -285,11 +317,13 @@ class DynamicBatcher:
             self.cost.observe(padded, seconds)
 
     async def close(self) -> None:
-        """Refuse new work; queued and running requests still complete."""
+        """Refuse new work; queued and running requests still complete. The dispatcher ends once the queue
+        is empty (or has died, failing it); then the batches it started are awaited."""
         self._closed = True
-        while self.queue or self._running:
-            await asyncio.sleep(0.01)
+        self._changed.set()
         if self._dispatcher is not None:
-            self._dispatcher.cancel()
+            await asyncio.wait([self._dispatcher])
+        while self._running:
+            await asyncio.wait(set(self._running))
         for e in self._executors:
             e.shutdown(wait=True)

@@ -16,12 +16,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from service import priority
-from service.errors import Internal, Unavailable
+from service.errors import Internal, ServingError, Unavailable
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
 from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
@@ -127,6 +127,8 @@ class GenerationScheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._stopping = False
+        self.failure = ""  # why a decoding thread stopped, once one has: every request is refused with it
+        self.on_failure: Callable[[ServingError], None] | None = None  # told once, on the event loop
         self.tracer: Tracing | None = None  # set by a server that traces requests
 
     def start(self) -> None:
@@ -144,6 +146,8 @@ class GenerationScheduler:
         req.results = [None] * len(req.sources)
         req.remaining = len(req.sources)
         with self._lock:
+            if self.failure:
+                raise Unavailable(self.failure)
             self.admission.admit(item.tokens, item.deadline, kind_of(item))
             if item.trace is not None:
                 item.trace.admitted(self.admission.predicted_queueing_ms(kind_of(item)))
@@ -273,6 +277,42 @@ class GenerationScheduler:
         self._resolve_all(done)
 
     def _work(self, instance: int, slot: int) -> None:
+        """A decoding thread, supervised: should its loop fail outside a step, the scheduler stops (see `_died`)."""
+        held: list[Any] = []  # what the loop holds: its batch, beam search and words being taken
+        try:
+            self._decode(instance, slot, held)
+        except BaseException as e:
+            self._died(instance, e, held)
+
+    def _died(self, instance: int, error: BaseException, held: list[Any]) -> None:
+        """A decoding loop failed: its requests, those queued and those to come are refused, naming the model;
+        the other threads finish their batches and stop; the owner is told (the version is no longer ready)."""
+        message = f"model '{self.name}' is unavailable: its decoding thread failed: {error!r}"
+        log.error("%s", message, exc_info=error)
+        items: dict[int, WorkItem] = {}
+        for part in held:
+            things = part.rows if isinstance(part, DecodingBatch) else part.items if isinstance(part, _Beams) else part
+            for thing in things or ():
+                item = thing.tag[0] if isinstance(thing, Hypothesis) else thing
+                items[id(item)] = item
+        with self._lock:
+            first = not self.failure
+            self.failure = self.failure or message
+            self._stopping = True
+            for item in list(self.queue):
+                self._pop(item)
+                items[id(item)] = item
+            self._lock.notify_all()
+        unavailable = Unavailable(self.failure)
+        try:
+            self._resolve_all([(item, None, unavailable) for item in items.values()])
+            if first and self.on_failure is not None:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self.on_failure, unavailable)
+        except RuntimeError:  # the event loop is closed: no one is left to answer
+            pass
+
+    def _decode(self, instance: int, slot: int, held: list[Any]) -> None:
         priority.lower_this_thread(slot)
         model = self.models[instance]
         batch = DecodingBatch(model)
@@ -284,6 +324,7 @@ class GenerationScheduler:
         while True:
             taken: list[WorkItem] = []
             new: list[Hypothesis] = []
+            held[:] = (batch, beams, taken, new)  # filled in place below: `_died` finds what was taken
             with self._lock:
                 while not len(batch) and beams is None and not self.queue and not self._stopping:
                     self._lock.wait()
@@ -292,11 +333,11 @@ class GenerationScheduler:
                 beam_ready = beams is not None or self._waiting(BEAM)
                 work = share.choose(bool(len(batch)) or self._waiting(GREEDY), beam_ready)
                 if work == GREEDY:
-                    new = self._admit_into(batch)
+                    new += self._admit_into(batch)
                     if not new and not len(batch):  # the words went to another instance, or are gone
                         work = BEAM if beam_ready else None
                 if work == BEAM and beams is None:
-                    taken = self._next_beams()
+                    taken += self._next_beams()
                     if not taken:
                         work = None
                 if work is None:

@@ -12,6 +12,10 @@ beside the serving ones and take traffic only once all are ready; a version that
 requests at once, finishes those queued or running on it, and then frees its sessions. A load that
 fails (a config that does not parse, a corrupt or missing graph, inputs that differ from the config,
 a failed warm-up) leaves what was serving in place, and the index says why.
+
+Each load and unload is a task the registry owns: the RPC that asked for it awaits it shielded, so a client
+that leaves (its call cancelled) does not stop it half done; changes of one model run one after another.
+A version whose scheduler dies is taken out of service (UNAVAILABLE, the index says why) and freed.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class ServedModel:
     directory: Path
     versions: dict[str, Model] = field(default_factory=dict)
     prints: dict[str, Any] = field(default_factory=dict)  # version -> its files and config.json, when built
-    seen: Any = None  # the model directory's files at the last load: poll mode reloads when they change
+    seen: Any = None  # the model directory's files at the last finished load: poll mode reloads when they change
     states: dict[str, VersionState] = field(default_factory=dict)  # versions loading, unloading or failed
     reason: str = ""  # why no version is ready, when none is
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one change at a time
@@ -139,6 +143,8 @@ class ModelRegistry:
         self._changed = changed  # (name, ready): health follows the models
         self.tracing = tracing  # handed to each version's batcher or scheduler
         self._poller: asyncio.Task[None] | None = None
+        self._changes: set[asyncio.Task[None]] = set()  # loads and unloads under way, owned here
+        self._closing = False
         self.started = False  # set once the start's models are loaded
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
 
@@ -227,17 +233,41 @@ class ModelRegistry:
                 f"failed to load {quote(name)}, failed to poll from model repository: no model {quote(name)} in it"
             )
         served = self.models.setdefault(name, ServedModel(directory))
-        async with served.lock:
-            await self._load(served, name, raw)
+        await self._change(served, partial(self._load, served, name, raw))
+
+    async def _change(self, served: ServedModel, change: Callable[[], Awaitable[None]]) -> None:
+        """Run `change` as a task of the registry's, after the model's changes before it, and await its end.
+        Shielded: the caller being cancelled (its client left) leaves the change running to its end."""
+        await asyncio.shield(self._start_change(served, change, refused_at_shutdown=True))
+
+    def _start_change(
+        self, served: ServedModel, change: Callable[[], Awaitable[None]], refused_at_shutdown: bool = False
+    ) -> asyncio.Task[None]:
+        async def serialized() -> None:
+            async with served.lock:
+                if refused_at_shutdown and self._closing:
+                    raise Unavailable("the server is shutting down")
+                await change()
+
+        task = asyncio.create_task(serialized())
+        self._changes.add(task)
+        task.add_done_callback(self._changed_done)
+        return task
+
+    def _changed_done(self, task: asyncio.Task[None]) -> None:
+        self._changes.discard(task)
+        if not task.cancelled() and not isinstance(task.exception(), ServingError | None):
+            log.error("a model change failed", exc_info=task.exception())  # a ServingError is the caller's answer
 
     async def _load(self, served: ServedModel, name: str, raw: dict[str, Any] | None) -> None:
         loop = asyncio.get_running_loop()
-        served.seen = fingerprint(served.directory)
+        seen = fingerprint(served.directory)
         try:
             configs = await loop.run_in_executor(None, load_model, served.directory, raw)
         except RepositoryError as e:
             served.states = {}
             served.reason = self.private(str(e))
+            served.seen = seen  # the files are at fault: tried again once they change
             if self.started:  # a failure at start is the start's error, said once
                 log.warning("model '%s': load failed: %s", name, e)
             raise LoadFailed(name, served.reason, str(e)) from None
@@ -260,6 +290,7 @@ class ModelRegistry:
             except Exception as e:
                 for m in built:
                     m.release()
+                served.seen = seen
                 self._failed(served, name, c.version, e)
             log.info("model '%s' version %s built in %.2f s", name, c.version, time.perf_counter() - started)
         for m in built:
@@ -267,6 +298,7 @@ class ModelRegistry:
         leaving = [m for v, m in served.versions.items() if keep.get(v) is not m]
         served.versions = keep | {m.version: m for m in built}  # the swap: new requests reach the new set
         served.prints = prints
+        served.seen = seen
         served.reason = ""
         served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
         log.info("model '%s': %s", name, self._serving(served))
@@ -299,21 +331,53 @@ class ModelRegistry:
                 f"Request for unknown model: {quote(name)} is not found "
                 f"(loaded: {', '.join(self.ready_names()) or 'none'})"
             )
-        async with served.lock:
-            leaving = list(served.versions.values())
-            served.versions, served.prints = {}, {}
-            served.reason = "unloaded"
-            served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
-            await self._notify(name, False)
-            await self._retire(served, leaving)
-            log.info("model '%s' unloaded", name)
+        await self._change(served, partial(self._unload, served, name))
 
-    async def close(self) -> None:
-        """At shutdown: stop polling; every version finishes what it holds."""
+    async def _unload(self, served: ServedModel, name: str) -> None:
+        leaving = list(served.versions.values())
+        served.versions, served.prints = {}, {}
+        served.reason = "unloaded"
+        served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
+        await self._notify(name, False)
+        await self._retire(served, leaving)
+        log.info("model '%s' unloaded", name)
+
+    def version_failed(self, m: Model, error: ServingError) -> None:
+        """On the event loop: `m`'s scheduler died. It leaves service at once (the index says why) and is
+        freed; poll mode loads the model again at its next poll."""
+        served = self.models.get(m.name)
+        if served is None or served.versions.get(m.version) is not m:
+            return
+        del served.versions[m.version]
+        served.prints.pop(m.version, None)
+        served.seen = None
+        dead = VersionState(m.name, m.version, UNAVAILABLE, error.message)
+        served.states[m.version] = dead
+        if not served.versions:
+            served.reason = error.message
+        log.error("model '%s' version %s taken out of service: %s", m.name, m.version, error.message)
+
+        async def retire() -> None:  # after the changes under way: the lock is held
+            if not served.versions:
+                await self._notify(m.name, False)
+            await self._retire(served, [m])
+            if m.version not in served.versions:  # unless a load since has built it again
+                served.states.setdefault(m.version, dead)
+
+        self._start_change(served, retire)
+
+    async def close(self, grace: float | None = None) -> None:
+        """At shutdown: stop polling; changes under way end, and every version finishes what it holds,
+        within `grace` seconds (then what is left is abandoned, and said)."""
+        self._closing = True
         if self._poller is not None:
             self._poller.cancel()
-        for m in self.served():
-            await m.close()
+        closing = [asyncio.create_task(m.close()) for m in self.served()]
+        waiting = {*self._changes, *closing}
+        if waiting:
+            _, late = await asyncio.wait(waiting, timeout=grace)
+            if late:
+                log.warning("shutdown: %d model change(s) or version(s) still busy after the grace period", len(late))
 
     # Parts.
 
@@ -339,16 +403,17 @@ class ModelRegistry:
             for key in BATCHING_SHOWN:
                 self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(m.batcher.config, key)))
             m.batcher.tracer = self.tracing
+            m.batcher.on_failure = partial(self.version_failed, m)
         else:
             m.scheduler.tracer = self.tracing
+            m.scheduler.on_failure = partial(self.version_failed, m)
         m.start()
 
     async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:
         """Let versions that no longer take requests finish theirs, then free them and their series."""
         for m in leaving:
+            await m.in_flight.idle()  # every request that reached it answered (and counted in the metrics)
             await m.close()
-            while m.answering:  # answered, but not yet counted in the metrics
-                await asyncio.sleep(0.005)
             m.release()
             served.states.pop(m.version, None)
             if m.version not in served.versions:  # a version reloaded in place keeps its series
@@ -369,7 +434,10 @@ class ModelRegistry:
         """Poll mode: match the repository on disk, forever."""
         while True:
             await asyncio.sleep(self.poll_seconds)
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # one bad poll does not end polling
+                log.exception("repository poll failed")
 
     async def sync(self) -> None:
         """Load models added or changed on disk since their last load, and unload those removed."""
