@@ -411,7 +411,7 @@ def test_a_version_whose_scheduler_died_is_no_longer_ready_and_reloads(tmp_path:
         await until(lambda: registry.index()[0].state == "UNAVAILABLE", "the version marked unavailable")
         (row,) = registry.index()
         assert "batch scheduler failed" in row.reason and "selection broke" in row.reason
-        with pytest.raises(Unavailable, match="model 'scale' has no version ready"):
+        with pytest.raises(Unavailable, match="Request for unknown model: 'scale' has no available versions"):
             registry.get("scale")
         await until(lambda: model.runtime.sessions == [], "the dead version freed")
         await registry.load("scale")  # a reload brings it back
