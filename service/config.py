@@ -60,6 +60,11 @@ class ServerSettings:
     compute_nice: int = _setting(
         19, "how much lower (nice, 0-19) compute threads run than the gRPC event loop: refusals and health stay prompt"
     )
+    # Only models whose config.json enables it use the cache, so the bound costs nothing until one does;
+    # 64 MiB keeps some hundred thousand g2p answers or a few thousand encoder outputs.
+    cache_size: int = _setting(
+        64 << 20, "bytes of answers the response cache may hold, all models together (0: no cache)"
+    )
     access_log: bool = _setting(False, "one JSON line per request on stderr")
     metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")
     log_level: str = _setting("info", "debug, info, warning or error")
@@ -82,6 +87,8 @@ class ServerSettings:
             raise SystemExit(f"qkv: --trace-sample-ratio {self.trace_sample_ratio:g}: give a share in [0, 1]")
         if self.tracing_file is not None and self.tracing_exporter != "otlp":
             raise SystemExit(f"qkv: --tracing-file and --tracing-exporter {self.tracing_exporter}: give one of them")
+        if self.cache_size < 0:
+            raise SystemExit(f"qkv: --cache-size {self.cache_size}: give a number of bytes >= 0 (0: no cache)")
 
     @property
     def traced(self) -> bool:

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__, priority, protocol
 from service.config import ServerSettings
+from service.datatypes import encode_bytes
 from service.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -40,9 +41,11 @@ from service.errors import (
 from service.frontends.codec import decode_tensor, element_count, fill_output
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.models.classification import classify
-from service.models.kinds import ModelStats, TensorModel
+from service.models.kinds import ModelStats, Result, TensorModel
+from service.models.response_cache import ResponseCache
+from service.models.response_cache import key as cache_key
 from service.observability import logs
-from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
+from service.observability.metrics import UNKNOWN_MODEL, CacheMetrics, Metrics, seq_len_bucket
 from service.repository.layout import RepositoryError, parse_config
 from service.serving.registry import (
     BATCHING_SHOWN,
@@ -219,6 +222,10 @@ class InferenceService:
             i.compute_input.CopyFrom(_duration(s.success_count, 0))
             i.compute_infer.CopyFrom(_duration(s.success_count, s.request_compute_ns))
             i.compute_output.CopyFrom(_duration(s.success_count, 0))
+            if self.server.cache is not None and m.config.response_cache:
+                c = self.server.cache.counts(m.name, m.version)
+                i.cache_hit.CopyFrom(_duration(c.hits, 0))
+                i.cache_miss.CopyFrom(_duration(c.misses, 0))
             for size, (count, ns) in sorted(s.batches.items()):
                 stats.batch_stats.add(batch_size=size, compute_infer=_duration(count, ns))
         return response
@@ -393,7 +400,14 @@ class InferenceService:
                 _check_counts(request, model)
                 inputs = await self._decode(request, model)
                 outputs = [o.name for o in request.outputs]
-                result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline, trace)
+                params = _parameters(request.parameters)
+                infer = partial(model.infer, inputs, outputs, params, deadline, trace)
+                cache = server.cache
+                if cache is not None and model.config.response_cache:
+                    k = _cache_key(model, inputs, outputs, params)
+                    result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
+                else:
+                    result = await infer()
             finally:
                 server.active -= 1
             seq_len = result.seq_len
@@ -485,6 +499,34 @@ def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, 
     return o
 
 
+# Request parameters that change how an answer travels or when, never what it is: left out of cache keys.
+TRANSPORT_PARAMETERS = frozenset({"timeout", "priority", "binary_data_output", "triton_enable_empty_final_response"})
+
+
+def _cache_key(model: Model, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any]) -> bytes:
+    """All that determines an answer: the model version, each input's name, datatype, shape and bytes, the
+    outputs asked for, and the parameters that matter."""
+    # id(model): a version reloaded in place is another object, and never answers from its predecessor's entries
+    # (which go when the predecessor is freed, after its last request)
+    parts: list[bytes | str | int] = [model.name, model.version, id(model), len(inputs)]
+    for name in sorted(inputs):
+        a = inputs[name]
+        data = encode_bytes(a) if a.dtype == np.object_ else np.ascontiguousarray(a).tobytes()
+        parts += [name, a.dtype.str, repr(a.shape), data]
+    parts += [len(outputs), *sorted(outputs)]
+    kept = sorted((k, repr(v)) for k, v in params.items() if k not in TRANSPORT_PARAMETERS)
+    parts += [len(kept), *(x for kv in kept for x in kv)]
+    return cache_key(parts)
+
+
+def _result_bytes(result: Result) -> int:
+    """What an answer holds in memory, for the cache's bound."""
+    total = 0
+    for a in result.outputs.values():
+        total += a.nbytes + (sum(len(x) for x in a.reshape(-1)) if a.dtype == np.object_ else 0)
+    return total
+
+
 def _classified(request: Any, model: Model, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES)."""
     counts = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
@@ -556,7 +598,10 @@ class Server:
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
         self.tracing = _tracing(settings)
-        self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing)
+        self.cache: ResponseCache[Result] | None = None  # --cache-size 0: none
+        if settings.cache_size > 0:
+            self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics))
+        self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing, self.cache)
         self.draining = False
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request

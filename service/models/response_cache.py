@@ -31,6 +31,7 @@ class CacheObserver(Protocol):
     def looked_up(self, model: str, hit: bool) -> None: ...
     def inserted(self, model: str, size: int) -> None: ...
     def evicted(self, model: str, size: int) -> None: ...
+    def dropped(self, size: int) -> None: ...
 
 
 @dataclass
@@ -71,16 +72,17 @@ class ResponseCache(Generic[V]):
     observer: CacheObserver | None = None
     _entries: OrderedDict[bytes, _Entry[V]] = field(default_factory=OrderedDict)
     _inflight: dict[bytes, asyncio.Future[V]] = field(default_factory=dict)
-    _counts: dict[str, CacheCounts] = field(default_factory=dict)
+    _counts: dict[tuple[str, str], CacheCounts] = field(default_factory=dict)
     held: int = 0  # bytes of every entry, overhead included
 
-    def counts(self, model: str) -> CacheCounts:
-        return self._counts.setdefault(model, CacheCounts())
+    def counts(self, model: str, version: str) -> CacheCounts:
+        """One model version's statistics (kept until the version is dropped)."""
+        return self._counts.setdefault((model, version), CacheCounts())
 
-    def get(self, k: bytes, model: str) -> V | None:
+    def get(self, k: bytes, model: str, version: str) -> V | None:
         """The kept answer for `k`, counted as a hit or a miss."""
         entry = self._entries.get(k)
-        self._looked_up(model, entry is not None)
+        self._looked_up(model, version, entry is not None)
         if entry is None:
             return None
         self._entries.move_to_end(k)
@@ -97,7 +99,7 @@ class ResponseCache(Generic[V]):
             self._forget(old, evicted=True)
         self._entries[k] = _Entry(value, total, model, version)
         self.held += total
-        c = self.counts(model)
+        c = self.counts(model, version)
         c.insertions, c.bytes, c.entries = c.insertions + 1, c.bytes + total, c.entries + 1
         if self.observer is not None:
             self.observer.inserted(model, total)
@@ -109,7 +111,7 @@ class ResponseCache(Generic[V]):
         was in flight with the same key); else computed once, kept if it succeeds."""
         entry = self._entries.get(k)
         running = self._inflight.get(k)
-        self._looked_up(model, entry is not None or running is not None)
+        self._looked_up(model, version, entry is not None or running is not None)
         if entry is not None:
             self._entries.move_to_end(k)
             return entry.value, True
@@ -130,24 +132,30 @@ class ResponseCache(Generic[V]):
         self.put(k, value, size_of(value), model, version)
         return value, False
 
-    def drop(self, model: str, version: str | None = None) -> int:
-        """Forget `model`'s entries (of `version` only, when given): it was unloaded or replaced."""
-        gone = [k for k, e in self._entries.items() if e.model == model and (version is None or e.version == version)]
+    def drop(self, model: str, version: str) -> int:
+        """Forget a version's entries and statistics: it was unloaded or replaced. Returns the bytes freed."""
+        gone = [k for k, e in self._entries.items() if e.model == model and e.version == version]
+        freed = 0
         for k in gone:
-            self._forget(self._entries.pop(k), evicted=False)
-        return len(gone)
+            entry = self._entries.pop(k)
+            self._forget(entry, evicted=False)
+            freed += entry.size
+        self._counts.pop((model, version), None)
+        if freed and self.observer is not None:
+            self.observer.dropped(freed)
+        return freed
 
     def _forget(self, entry: _Entry[V], evicted: bool) -> None:
         self.held -= entry.size
-        c = self.counts(entry.model)
+        c = self.counts(entry.model, entry.version)
         c.bytes, c.entries = c.bytes - entry.size, c.entries - 1
         if evicted:
             c.evictions += 1
             if self.observer is not None:
                 self.observer.evicted(entry.model, entry.size)
 
-    def _looked_up(self, model: str, hit: bool) -> None:
-        c = self.counts(model)
+    def _looked_up(self, model: str, version: str, hit: bool) -> None:
+        c = self.counts(model, version)
         if hit:
             c.hits += 1
         else:

@@ -149,6 +149,17 @@ class Metrics:
             ["model", "version", "setting"],
             registry=r,
         )
+        # The response cache (one for the server, --cache-size): per model, as its entries come and go.
+        self.cache_lookups = Counter(
+            "qkv_cache_lookups", "Response cache lookups by result: hit or miss", ["model", "result"], registry=r
+        )
+        self.cache_insertions = Counter(
+            "qkv_cache_insertions", "Answers kept by the response cache", ["model"], registry=r
+        )
+        self.cache_evictions = Counter(
+            "qkv_cache_evictions", "Answers pushed out of the response cache to make room", ["model"], registry=r
+        )
+        self.cache_bytes = Gauge("qkv_cache_bytes", "Bytes the response cache holds, all models", registry=r)
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
@@ -179,6 +190,27 @@ class Metrics:
         """Drop every series of one model version (unloaded): series never outlive what they describe."""
         for metric in self._per_version:
             metric.remove_by_labels({"model": model, "version": version})
+
+
+class CacheMetrics:
+    """The response cache's observer: its lookups, insertions and evictions into the metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def looked_up(self, model: str, hit: bool) -> None:
+        self.metrics.cache_lookups.labels(model, "hit" if hit else "miss").inc()
+
+    def inserted(self, model: str, size: int) -> None:
+        self.metrics.cache_insertions.labels(model).inc()
+        self.metrics.cache_bytes.inc(size)
+
+    def evicted(self, model: str, size: int) -> None:
+        self.metrics.cache_evictions.labels(model).inc()
+        self.metrics.cache_bytes.dec(size)
+
+    def dropped(self, size: int) -> None:
+        self.metrics.cache_bytes.dec(size)
 
 
 class ModelObserver:

@@ -135,6 +135,7 @@ class ModelConfig:
     # dynamic dimension); a version whose graph differs is refused.
     inputs: tuple[dict[str, Any], ...] = ()
     outputs: tuple[dict[str, Any], ...] = ()
+    response_cache: bool = False  # config.json {"response_cache": {"enable": true}}: answers kept (--cache-size)
 
 
 def _integer(value: Any) -> bool:
@@ -212,14 +213,14 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 # What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
               "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-              "limits")  # fmt: skip
+              "limits", "response_cache")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
     "platform", "backend", "runtime", "input", "output", "batch_input", "batch_output", "dynamic_batching",
     "sequence_batching", "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
     "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
-    "model_repository_agents", "response_cache",
+    "model_repository_agents",
 })  # fmt: skip
 LIMITS = {
     "tensor": ("max_sequence_length", "vocab_size"),
@@ -339,6 +340,10 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         )
     inputs = _tensor_declarations(raw["inputs"], "inputs", at, model_dir) if "inputs" in raw else ()
     outputs = _tensor_declarations(raw["outputs"], "outputs", at, model_dir) if "outputs" in raw else ()
+    cached = raw.get("response_cache", {})
+    if not isinstance(cached, dict) or set(cached) - {"enable"}:
+        raise RepositoryError(f'{at}: response_cache must be {{"enable": true or false}}, got {_shown(cached)}')
+    response_cache = _typed_value("bool", cached.get("enable", False), "response_cache.enable", at)
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -353,6 +358,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         version_policy=policy,
         inputs=inputs,
         outputs=outputs,
+        response_cache=response_cache,
         **settings,
     )
 

@@ -36,6 +36,7 @@ from service import priority
 from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
 from service.models.kinds import G2PModel, TensorModel
+from service.models.response_cache import ResponseCache
 from service.models.runtime import G2PRuntime, TensorRuntime, choose_providers
 from service.observability.metrics import Metrics
 from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
@@ -133,8 +134,10 @@ class ModelRegistry:
         metrics: Metrics,
         changed: Callable[[str, bool], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
+        cache: ResponseCache[Any] | None = None,
     ) -> None:
         self.root = Path(settings.model_repository)
+        self.cache = cache  # a leaving version's kept answers go with it
         self.mode = settings.model_control_mode
         self.poll_seconds = settings.repository_poll_secs
         self.metrics = metrics
@@ -416,6 +419,8 @@ class ModelRegistry:
             await m.close()
             m.release()
             served.states.pop(m.version, None)
+            if self.cache is not None:  # a version reloaded in place may answer otherwise
+                self.cache.drop(m.name, m.version)
             if m.version not in served.versions:  # a version reloaded in place keeps its series
                 self.metrics.forget(m.name, m.version)
         if leaving:

@@ -4,11 +4,20 @@ successes kept, identical requests in flight computed once, a version's entries 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
+from service import protocol
+from service.bench import scrape, variant
+from service.loadgen import encoder_request
 from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, key
+from tests.conftest import MODELS, RunningServer, start_server, stop_server
+from tests.service.queue_helpers import ENCODER_VOCAB, blocker_request, computing_alone, model_stats
 
 
 class Seen:
@@ -24,6 +33,9 @@ class Seen:
     def evicted(self, model: str, size: int) -> None:
         self.events.append(("evict", model, size))
 
+    def dropped(self, size: int) -> None:
+        self.events.append(("drop", "", size))
+
 
 def test_keys_tell_apart_every_split_of_the_same_bytes() -> None:
     assert key([b"ab", b"c"]) != key([b"a", b"bc"]) != key([b"abc"])
@@ -38,11 +50,11 @@ def test_the_bound_holds_under_100_000_unique_answers() -> None:
     for i, size in enumerate(rng.integers(1, 4096, size=100_000)):
         cache.put(key([i]), b"", int(size), "m", "1")
         most = max(most, cache.held)
-    assert most <= capacity and cache.held == cache.counts("m").bytes
-    c = cache.counts("m")
+    assert most <= capacity and cache.held == cache.counts("m", "1").bytes
+    c = cache.counts("m", "1")
     assert c.insertions == 100_000 and c.insertions - c.evictions == c.entries
     cache.put(key(["huge"]), b"", capacity, "m", "1")  # larger than the bound with its overhead: not kept
-    assert cache.get(key(["huge"]), "m") is None
+    assert cache.get(key(["huge"]), "m", "1") is None
 
 
 def test_least_recently_used_goes_first() -> None:
@@ -50,9 +62,9 @@ def test_least_recently_used_goes_first() -> None:
     cache: ResponseCache[str] = ResponseCache(3 * (100 + ENTRY_OVERHEAD), seen)
     for name in "abc":
         cache.put(key([name]), name, 100, "m", "1")
-    assert cache.get(key(["a"]), "m") == "a"  # a is now the most recent
+    assert cache.get(key(["a"]), "m", "1") == "a"  # a is now the most recent
     cache.put(key(["d"]), "d", 100, "m", "1")  # b goes
-    assert [cache.get(key([n]), "m") for n in "abcd"] == ["a", None, "c", "d"]
+    assert [cache.get(key([n]), "m", "1") for n in "abcd"] == ["a", None, "c", "d"]
     assert ("evict", "m", 100 + ENTRY_OVERHEAD) in seen.events
 
 
@@ -88,7 +100,7 @@ def test_identical_requests_in_flight_are_computed_once_and_failures_are_not_kep
 
     asyncio.run(run())
     assert calls == [1, 2, 2]  # one computation for six requests; a failure is computed again
-    c = cache.counts("m")
+    c = cache.counts("m", "1")
     assert (c.hits, c.misses, c.insertions) == (6, 3, 1)
 
 
@@ -98,6 +110,92 @@ def test_a_versions_entries_go_with_it() -> None:
         for i in range(3):
             cache.put(key([version, i]), "v", 10, "m", version)
     cache.put(key(["other"]), "v", 10, "n", "1")
-    assert cache.drop("m", "1") == 3
-    assert cache.counts("m").entries == 3 and cache.counts("n").entries == 1
-    assert cache.drop("m") == 3 and cache.held == 10 + ENTRY_OVERHEAD
+    assert cache.drop("m", "1") == 3 * (10 + ENTRY_OVERHEAD)
+    assert cache.counts("m", "2").entries == 3 and cache.counts("n", "1").entries == 1
+    assert cache.drop("m", "2") == 3 * (10 + ENTRY_OVERHEAD) and cache.held == 10 + ENTRY_OVERHEAD
+
+
+# --- served: a real server, the encoder's answers kept --------------------------------------------------
+
+CACHE_BYTES = 256 << 10  # the server's --cache-size: a few dozen encoder answers of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    d = tmp_path_factory.mktemp("cache")
+    one = {"instances": 1, "response_cache": {"enable": True},
+           "batching": {"inline_max_tokens": 0, "max_queue_wait_ms": 600_000, "max_queue_tokens": 65536}}  # fmt: skip
+    repo = variant(MODELS, d / "models", {"g2p_encoder": one})
+    args = ["--model-repository", str(repo), "--cache-size", str(CACHE_BYTES), "--model-control-mode", "explicit",
+            "--load-model", "g2p_encoder"]  # fmt: skip
+    s = start_server(args, d / "server.log")
+    yield s
+    stop_server(s)
+
+
+def _cache_stats(stub: Any) -> tuple[int, int]:
+    i = model_stats(stub, "g2p_encoder").inference_stats
+    return i.cache_hit.count, i.cache_miss.count
+
+
+def test_a_repeated_request_is_answered_from_the_cache_byte_for_byte(cached: RunningServer) -> None:
+    request = encoder_request(16, ENCODER_VOCAB, np.random.default_rng(5))
+    with grpc.insecure_channel(cached.url) as channel:
+        stub = protocol.Stub(channel)
+        hits, misses = _cache_stats(stub)
+        first = stub.ModelInfer(request, timeout=60)
+        runs = model_stats(stub, "g2p_encoder").inference_count
+        again = stub.ModelInfer(request, timeout=60)
+        assert model_stats(stub, "g2p_encoder").inference_count == runs  # nothing computed the second time
+        assert _cache_stats(stub) == (hits + 1, misses + 1)
+        assert again.raw_output_contents == first.raw_output_contents and again.outputs == first.outputs
+        other = encoder_request(16, ENCODER_VOCAB, np.random.default_rng(6))  # other bytes: computed
+        stub.ModelInfer(other, timeout=60)
+        assert model_stats(stub, "g2p_encoder").inference_count == runs + 1
+
+
+def test_identical_requests_in_flight_are_computed_once(cached: RunningServer) -> None:
+    rng = np.random.default_rng(7)
+    request = encoder_request(16, ENCODER_VOCAB, rng)
+    lookups = 'qkv_cache_lookups_total{model="g2p_encoder",result="hit"}'
+    with grpc.insecure_channel(cached.url) as channel:
+        stub = protocol.Stub(channel)
+        runs = model_stats(stub, "g2p_encoder").inference_count
+        sent = 0  # rows computed for the blockers, and for each round's identical requests
+        for rows in (8, 16, 32, 64):  # a longer blocker while this machine sends the eight more slowly
+            sent += rows + 1
+            blocker = stub.ModelInfer.future(blocker_request(rows, rng), timeout=600)
+            end = time.monotonic() + 60
+            while not computing_alone(cached):
+                assert not blocker.done() and time.monotonic() < end, "the blocker was not seen computing alone"
+            before = scrape(cached.metrics_url).get(lookups, 0)
+            same = [stub.ModelInfer.future(request, timeout=600) for _ in range(8)]
+            while not blocker.done() and scrape(cached.metrics_url).get(lookups, 0) < before + 7:
+                time.sleep(0.01)
+            held = not blocker.done()
+            answers = [f.result() for f in same]
+            blocker.result()
+            if held:
+                break
+            request = encoder_request(16, ENCODER_VOCAB, rng)  # not held: a fresh request for the next round
+        assert held, "a blocker of 64 x 512 tokens finished before 8 identical requests arrived"
+        assert all(a.raw_output_contents == answers[0].raw_output_contents for a in answers)
+        # the blockers' rows, each computed, and the eight identical requests once a round
+        assert model_stats(stub, "g2p_encoder").inference_count - runs == sent
+
+
+def test_the_cache_holds_within_its_bound_and_goes_with_an_unload(cached: RunningServer) -> None:
+    rng = np.random.default_rng(8)
+    held = "qkv_cache_bytes"
+    with grpc.insecure_channel(cached.url) as channel:
+        stub = protocol.Stub(channel)
+        most = 0.0
+        for _ in range(120):  # far more unique answers than the bound holds
+            stub.ModelInfer(encoder_request(16, ENCODER_VOCAB, rng), timeout=60)
+            most = max(most, scrape(cached.metrics_url).get(held, 0))
+        metrics = scrape(cached.metrics_url)
+        assert 0 < most <= CACHE_BYTES
+        assert metrics.get('qkv_cache_evictions_total{model="g2p_encoder"}', 0) > 0
+        stub.RepositoryModelUnload(protocol.RepositoryModelUnloadRequest(model_name="g2p_encoder"), timeout=60)
+        assert scrape(cached.metrics_url).get(held, 0) == 0  # the unloaded version's answers are gone
+        stub.RepositoryModelLoad(protocol.RepositoryModelLoadRequest(model_name="g2p_encoder"), timeout=120)
