@@ -403,7 +403,7 @@ class InferenceService:
                 params = _parameters(request.parameters)
                 infer = partial(model.infer, inputs, outputs, params, deadline, trace)
                 cache = server.cache
-                if cache is not None and model.config.response_cache:
+                if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
                     k = _cache_key(model, inputs, outputs, params)
                     result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
                 else:

@@ -22,6 +22,8 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
+from service.models.response_cache import ResponseCache
+from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
@@ -443,8 +445,14 @@ def normalize_word(token: str) -> str:
     return core
 
 
+def _hypothesis_bytes(h: Hypothesis) -> int:
+    """What a kept word's answer holds: its tokens and attention rows."""
+    return 8 * (len(h.tokens) + len(h.src)) + sum(a.nbytes for a in h.attention)
+
+
 class G2PModel:
     kind = "g2p"
+    caches_words = True  # the response cache keeps each word's answer, not whole requests
     inputs: ClassVar[list[TensorSpec]] = [TensorSpec("TEXT", "BYTES", (-1,), ("batch",))]
     outputs: ClassVar[list[TensorSpec]] = [
         TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
@@ -466,6 +474,8 @@ class G2PModel:
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
         self.admission = self.scheduler.admission
+        # config.json response_cache: each word's answer kept (set by the registry when the server has a cache)
+        self.cache: ResponseCache[Hypothesis] | None = None
 
     def warm_up(self) -> None:
         """One word decoded on each instance before serving: graphs that load but cannot run are refused
@@ -567,6 +577,40 @@ class G2PModel:
             raise InvalidArgument(f"parameter '{name}' must be in [{low}, {high}], got {value}")
         return value
 
+    def _word_key(self, src: list[int], max_out: int, beam: int, with_attention: bool) -> bytes:
+        """What determines one word's answer: this loaded version, its graphemes and the decoding asked for."""
+        return cache_key([self.name, self.version, id(self), np.array(src, np.int32).tobytes(), max_out, beam,
+                          with_attention])  # fmt: skip
+
+    def _cached(self, key: bytes) -> Hypothesis | None:
+        assert self.cache is not None
+        return self.cache.get(key, self.name, self.version)
+
+    async def _decode(
+        self,
+        sources: list[list[int]],
+        max_out: int,
+        beam: int,
+        with_attention: bool,
+        deadline: float | None,
+        trace: RequestTrace | None,
+    ) -> list[Hypothesis]:
+        """`sources` decoded by the scheduler, in continuous batches shared with other requests' words."""
+        item = WorkItem(
+            rows=len(sources) * beam,  # a beam search decodes each word in `beam` rows: its cost
+            length=max(map(len, sources)) + 1,
+            payload=WordsRequest(sources, max_out, beam, with_attention),
+            future=asyncio.get_running_loop().create_future(),
+            deadline=deadline,
+            trace=trace,
+        )
+        t0 = time.perf_counter_ns()
+        hyps: list[Hypothesis] = await self.scheduler.submit(item)
+        self.stats.account_request(item)
+        # Its words decode in continuous batches shared with others: no batch size of its own.
+        self.stats.executed(len(sources), time.perf_counter_ns() - t0, by_size=False)
+        return hyps
+
     async def infer(
         self,
         inputs: dict[str, np.ndarray],
@@ -598,23 +642,24 @@ class G2PModel:
         flat = [w for ws in elements for w in ws]
         sources = [self.graphemes.encode(w) for w in flat]
         with_attention = "ATTENTION" in outputs
-        req = WordsRequest(sources, max_out, beam, with_attention)
         longest = max(map(len, sources))
-        loop = asyncio.get_running_loop()
-        item = WorkItem(
-            rows=len(sources) * beam,  # a beam search decodes each word in `beam` rows: its cost
-            length=longest + 1,
-            payload=req,
-            future=loop.create_future(),
-            deadline=deadline,
-            trace=trace,
-        )
-        t0 = time.perf_counter_ns()
-        hyps: list[Hypothesis] = await self.scheduler.submit(item)
-        self.stats.account_request(item)
-        # Its words decode in continuous batches shared with others: no batch size of its own.
-        self.stats.executed(len(sources), time.perf_counter_ns() - t0, by_size=False)
-        decoded = [self.phonemes.decode(h.output) for h in hyps]
+        keys = [self._word_key(src, max_out, beam, with_attention) for src in sources] if self.cache else []
+        hyps: list[Hypothesis | None] = [self._cached(k) for k in keys] if self.cache else [None] * len(sources)
+        # each word that is not kept decodes once, however often the request holds it
+        todo: dict[tuple[int, ...], int] = {}  # such a word -> its first place in the request
+        for i, (src, h) in enumerate(zip(sources, hyps, strict=True)):
+            if h is None:
+                todo.setdefault(tuple(src), i)
+        if todo:
+            firsts = list(todo.values())
+            fresh = await self._decode([sources[i] for i in firsts], max_out, beam, with_attention, deadline, trace)
+            by_word = dict(zip(todo, fresh, strict=True))
+            hyps = [h if h is not None else by_word[tuple(src)] for src, h in zip(sources, hyps, strict=True)]
+            if self.cache is not None:
+                for i, h in zip(firsts, fresh, strict=True):  # kept without its request (`tag`)
+                    self.cache.put(keys[i], replace(h, tag=None), _hypothesis_bytes(h), self.name, self.version)
+        words = [h for h in hyps if h is not None]  # every word has its hypothesis now
+        decoded = [self.phonemes.decode(h.output) for h in words]
         joined, k = [], 0
         for ws in elements:
             joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
@@ -624,8 +669,8 @@ class G2PModel:
             result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
         if with_attention:
             t = max(len(d) for d in decoded) or 1
-            att = np.zeros((len(hyps), t, longest), dtype=np.float32)
-            for i, (h, d) in enumerate(zip(hyps, decoded, strict=True)):
+            att = np.zeros((len(words), t, longest), dtype=np.float32)
+            for i, (h, d) in enumerate(zip(words, decoded, strict=True)):
                 rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
                 att[i, : len(d), : rows.shape[1]] = rows
             result["ATTENTION"] = att

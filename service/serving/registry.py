@@ -389,7 +389,9 @@ class ModelRegistry:
         observer = self.metrics.observer(config.name, config.version)
         model: Model
         if config.kind == "g2p":
-            model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, self.providers)), observer)
+            g2p = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, self.providers)), observer)
+            g2p.cache = self.cache if config.response_cache else None
+            model = g2p
         else:
             model = TensorModel(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
         try:

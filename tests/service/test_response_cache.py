@@ -14,6 +14,7 @@ import pytest
 
 from service import protocol
 from service.bench import scrape, variant
+from service.client import g2p_outputs, g2p_request
 from service.loadgen import encoder_request
 from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, key
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
@@ -199,3 +200,38 @@ def test_the_cache_holds_within_its_bound_and_goes_with_an_unload(cached: Runnin
         stub.RepositoryModelUnload(protocol.RepositoryModelUnloadRequest(model_name="g2p_encoder"), timeout=60)
         assert scrape(cached.metrics_url).get(held, 0) == 0  # the unloaded version's answers are gone
         stub.RepositoryModelLoad(protocol.RepositoryModelLoadRequest(model_name="g2p_encoder"), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cached_g2p(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    d = tmp_path_factory.mktemp("cache_g2p")
+    repo = variant(MODELS, d / "models", {"g2p": {"response_cache": {"enable": True}}})
+    s = start_server(["--model-repository", str(repo)], d / "server.log")
+    yield s
+    stop_server(s)
+
+
+def test_g2p_keeps_each_words_answer_and_decodes_only_the_others(cached_g2p: RunningServer) -> None:
+    """A sentence whose words are half kept decodes only the other half; a word twice in one request decodes
+    once; the answers are those of decoding every word."""
+    with grpc.insecure_channel(cached_g2p.url) as channel:
+        stub = protocol.Stub(channel)
+
+        def phonemes(text: str) -> list[str]:
+            return g2p_outputs(stub.ModelInfer(g2p_request([text]), timeout=60))["PHONEMES"]
+
+        def counts() -> tuple[int, int, int]:  # of the version requests reach: the newest
+            (s,) = stub.ModelStatistics(protocol.ModelStatisticsRequest(name="g2p", version="2"), timeout=5).model_stats
+            return s.inference_count, s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count
+
+        words0, hits0, misses0 = counts()
+        first = phonemes("the cat saw the dog")  # four words, "the" twice: four decoded
+        words1, hits1, misses1 = counts()
+        assert (words1 - words0, hits1 - hits0, misses1 - misses0) == (4, 0, 5)
+        second = phonemes("the dog sat")  # two kept, one decoded
+        words2, hits2, misses2 = counts()
+        assert (words2 - words1, hits2 - hits1, misses2 - misses1) == (1, 2, 1)
+        again = phonemes("the cat saw the dog")  # all kept: nothing decoded, the same answer
+        assert counts()[0] == words2 and again == first
+        by_word = dict(zip(["the", "cat", "saw", "the", "dog"], first[0].split(" | "), strict=True))
+        assert second[0].split(" | ")[:2] == [by_word["the"], by_word["dog"]]
