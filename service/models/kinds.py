@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
+from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
@@ -119,6 +119,19 @@ def _has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
     return size > 0
 
 
+def _check_served(config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
+    """Refuse at load a graph with an input or output of a datatype that is not served, naming it."""
+    for what, specs in (("input", inputs), ("output", outputs)):
+        for s in specs:
+            if s.datatype in NUMPY_DTYPES:
+                continue
+            v2 = ONNX_UNSERVED.get(s.datatype)
+            why = f"datatype {v2} is not served: {UNSERVED[v2]}" if v2 else "no v2 datatype carries it"
+            raise RepositoryError(
+                f"model '{config.name}' version {config.version}: {what} {quote(s.name)} is {s.datatype}: {why}"
+            )
+
+
 def _as_strings(array: np.ndarray, name: str, model: str) -> np.ndarray:
     """BYTES elements -> Python str, UTF-8 decoded: onnxruntime takes a string tensor as str (a bytes
     element would reach the graph as its repr, b'...')."""
@@ -167,6 +180,7 @@ class TensorModel:
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
         self.answering = 0  # requests between their lookup and their answer (the server counts them)
+        _check_served(config, self.inputs, self.outputs)
         self.batchable = _has_batch_axis(config, [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
         self._seq_names = {
@@ -293,10 +307,11 @@ class TensorModel:
         if n < 1:
             raise InvalidArgument("the batch dimension (axis 0) is 0: nothing to infer")
         for s in self.inputs:
-            if feeds[s.name].size == 0:
-                raise InvalidArgument(
-                    f"input '{s.name}': shape {list(feeds[s.name].shape)} has no elements: nothing to infer"
-                )
+            # An empty tensor (a 0 in a dimension of the model's own) is served, as onnxruntime and Triton serve
+            # it; an empty sequence is not: a sequence model (attention over no position) has no answer for it.
+            empty = feeds[s.name]
+            if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
+                raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
         if self.batchable and n > self.max_batch_size:
             raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
         length = self._length(feeds)
