@@ -260,14 +260,22 @@ class TensorModel:
         self._run_batch([item(future=unused) for _ in range(rows)], 0)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
+        """A request's length: along the sequence axis; 1 without one, so that its tokens are its rows (1
+        without a batch axis). Requests without a sequence axis batch only with others of the same shape, so
+        nothing is padded, and what a row costs is measured at warm-up: the tuned settings and admission's
+        throughput are in rows, and an image is one token, not its 150,528 elements (docs/configuration.md)."""
         if self.sequence_axis is None:
-            return max((int(np.prod(a.shape[1:])) for a in feeds.values()), default=1)
+            return 1
         lengths = {feeds[s.name].shape[self.sequence_axis] for s in self.inputs if self._on_sequence_axis(s)}
         if len(lengths) > 1:
             raise InvalidArgument(
                 f"inputs disagree on the sequence length (axis {self.sequence_axis}): {sorted(lengths)}"
             )
         return lengths.pop() if lengths else 1
+
+    def _row_elements(self, feeds: dict[str, np.ndarray]) -> int:
+        """The most elements one row of an input holds (the whole tensor without a batch axis)."""
+        return max((int(np.prod(a.shape[1:] if self.batchable else a.shape)) for a in feeds.values()), default=1)
 
     def _on_sequence_axis(self, s: TensorSpec) -> bool:
         axis = self.sequence_axis
@@ -315,9 +323,11 @@ class TensorModel:
         if self.batchable and n > self.max_batch_size:
             raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
         length = self._length(feeds)
-        if self.max_sequence_length and length > self.max_sequence_length:
+        # Without a sequence axis, max_sequence_length bounds the elements of one row.
+        longest = length if self.sequence_axis is not None else self._row_elements(feeds)
+        if self.max_sequence_length and longest > self.max_sequence_length:
             raise InvalidArgument(
-                f"sequence length {length} exceeds model '{self.name}' limit of {self.max_sequence_length}"
+                f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
             )
         for name, size in self.vocab_size.items():
             a = feeds.get(name)
