@@ -20,7 +20,10 @@ __all__ = [
     "MAX_ELEMENTS",
     "NUMPY_DTYPES",
     "ONNX_DATATYPES",
+    "ONNX_UNSERVED",
+    "UNSERVED",
     "InputLimits",
+    "check_datatype",
     "datatype_of",
     "decode_bytes",
     "encode_bytes",
@@ -56,6 +59,10 @@ ONNX_DATATYPES = {
     "tensor(double)": "FP64",
     "tensor(string)": "BYTES",
 }
+# Datatypes of the v2 protocol (and ONNX) that are not served, and why: a request or a graph that uses one
+# is refused saying so.
+UNSERVED = {"BF16": "onnxruntime's Python API takes and gives no bfloat16 arrays"}
+ONNX_UNSERVED = {"tensor(bfloat16)": "BF16"}
 MAX_ELEMENTS = 1 << 24  # elements of one tensor, whatever the model
 MAX_BYTES_ELEMENTS = 1 << 16  # BYTES elements in one tensor
 MAX_DIMS = 32  # dimensions of one tensor (numpy itself stops at 64)
@@ -71,6 +78,15 @@ class InputLimits:
 
 
 _DATATYPE_OF = {np.dtype(v).str: k for k, v in NUMPY_DTYPES.items() if k != "BYTES"}
+
+
+def check_datatype(name: str, datatype: str) -> None:
+    """InvalidArgument naming input `name` unless its `datatype` is one served."""
+    if datatype in NUMPY_DTYPES:
+        return
+    if datatype in UNSERVED:
+        raise InvalidArgument(f"input {quote(name)}: datatype {datatype} is not served: {UNSERVED[datatype]}")
+    raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
 
 
 def datatype_of(array: np.ndarray) -> str:

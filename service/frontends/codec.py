@@ -17,6 +17,7 @@ from service.datatypes import (
     MAX_DIMS,
     NUMPY_DTYPES,
     InputLimits,
+    check_datatype,
     datatype_of,
     decode_bytes,
     encode_bytes,
@@ -73,8 +74,7 @@ def decode_tensor(tensor: Any, raw_contents: Callable[[], bytes] | None, limits:
     Every count is checked against `limits` before the elements are touched; `raw_contents` gives the
     raw contents (a copy, out of the message), asked for only then."""
     name, datatype = tensor.name, tensor.datatype
-    if datatype not in NUMPY_DTYPES:
-        raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
+    check_datatype(name, datatype)
     if len(tensor.shape) > MAX_DIMS:  # counted before the shape becomes Python ints
         raise InvalidArgument(f"input {quote(name)}: shape has {len(tensor.shape)} dimensions, the limit is {MAX_DIMS}")
     shape = tuple(int(d) for d in tensor.shape)

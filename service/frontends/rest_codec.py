@@ -21,7 +21,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from service import protocol
-from service.datatypes import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
+from service.datatypes import MAX_DIMS, NUMPY_DTYPES, check_datatype, decode_bytes, encode_bytes
 from service.errors import InvalidArgument, clip, quote
 
 __all__ = [
@@ -168,6 +168,9 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
     flat = array.reshape(-1)
     if all(d >= 0 for d in shape) and flat.size != (needed := int(np.prod(shape, dtype=object))):
         raise InvalidArgument(f"input {quote(name)}: {flat.size} values in data, shape {shape} needs {needed}")
+    if flat.dtype.kind in "fO" and np.dtype(NUMPY_DTYPES[datatype]).kind in "iu":
+        exact = _integers(data, name, datatype)  # UINT64 over 2**63 - 1 among others, or an out-of-range value
+        flat = flat if exact is None else exact
     kind = flat.dtype.kind
     if datatype == "BYTES":
         if flat.size and kind != "U":
@@ -188,6 +191,20 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
             raise InvalidArgument(f"input {quote(name)}: value {bad} is outside {datatype} [{info.min}, {info.max}]")
     with np.errstate(over="ignore"):  # 1e300 as FP16 is inf, which the model refuses by name
         return flat.astype(dtype.newbyteorder("<")).tobytes()
+
+
+def _integers(data: Any, name: str, datatype: str) -> np.ndarray | None:
+    """Integer `data` read exactly, as Python integers: numpy reads a value over 2**63 - 1 beside any other as
+    float64, rounded (over 2**64 - 1, as object). None when `data` holds anything but integers."""
+    values = np.array(data, dtype=object).reshape(-1)
+    if any(type(v) is not int for v in values):
+        return None
+    info = np.iinfo(NUMPY_DTYPES[datatype])
+    low, high = min(values, default=0), max(values, default=0)
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        raise InvalidArgument(f"input {quote(name)}: value {bad} is outside {datatype} [{info.min}, {info.max}]")
+    return np.array(values.tolist(), dtype=NUMPY_DTYPES[datatype])
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str, version: str) -> InferBody:
@@ -228,8 +245,7 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
         name = _string(tensor.get("name"), f"inputs[{k}].name")
         datatype = _string(tensor.get("datatype"), f"input {quote(name)}: datatype")
         shape = _shape(tensor.get("shape"), name)
-        if datatype not in NUMPY_DTYPES:
-            raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
+        check_datatype(name, datatype)
         request.inputs.add(name=name, datatype=datatype, shape=shape)
         tensor_params = tensor.get("parameters", {})
         if not isinstance(tensor_params, dict):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
+from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
@@ -158,6 +158,19 @@ def _has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
     return size > 0
 
 
+def _check_served(config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
+    """Refuse at load a graph with an input or output of a datatype that is not served, naming it."""
+    for what, specs in (("input", inputs), ("output", outputs)):
+        for s in specs:
+            if s.datatype in NUMPY_DTYPES:
+                continue
+            v2 = ONNX_UNSERVED.get(s.datatype)
+            why = f"datatype {v2} is not served: {UNSERVED[v2]}" if v2 else "no v2 datatype carries it"
+            raise RepositoryError(
+                f"model '{config.name}' version {config.version}: {what} {quote(s.name)} is {s.datatype}: {why}"
+            )
+
+
 def _as_strings(array: np.ndarray, name: str, model: str) -> np.ndarray:
     """BYTES elements -> Python str, UTF-8 decoded: onnxruntime takes a string tensor as str (a bytes
     element would reach the graph as its repr, b'...')."""
@@ -206,6 +219,7 @@ class TensorModel:
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
+        _check_served(config, self.inputs, self.outputs)
         self.batchable = _has_batch_axis(config, [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
         self._seq_names = {
@@ -285,14 +299,22 @@ class TensorModel:
         self._run_batch([item(future=unused) for _ in range(rows)], 0)
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
+        """A request's length: along the sequence axis; 1 without one, so that its tokens are its rows (1
+        without a batch axis). Requests without a sequence axis batch only with others of the same shape, so
+        nothing is padded, and what a row costs is measured at warm-up: the tuned settings and admission's
+        throughput are in rows, and an image is one token, not its 150,528 elements (docs/configuration.md)."""
         if self.sequence_axis is None:
-            return max((int(np.prod(a.shape[1:])) for a in feeds.values()), default=1)
+            return 1
         lengths = {feeds[s.name].shape[self.sequence_axis] for s in self.inputs if self._on_sequence_axis(s)}
         if len(lengths) > 1:
             raise InvalidArgument(
                 f"inputs disagree on the sequence length (axis {self.sequence_axis}): {sorted(lengths)}"
             )
         return lengths.pop() if lengths else 1
+
+    def _row_elements(self, feeds: dict[str, np.ndarray]) -> int:
+        """The most elements one row of an input holds (the whole tensor without a batch axis)."""
+        return max((int(np.prod(a.shape[1:] if self.batchable else a.shape)) for a in feeds.values()), default=1)
 
     def _on_sequence_axis(self, s: TensorSpec) -> bool:
         axis = self.sequence_axis
@@ -332,16 +354,19 @@ class TensorModel:
         if n < 1:
             raise InvalidArgument("the batch dimension (axis 0) is 0: nothing to infer")
         for s in self.inputs:
-            if feeds[s.name].size == 0:
-                raise InvalidArgument(
-                    f"input '{s.name}': shape {list(feeds[s.name].shape)} has no elements: nothing to infer"
-                )
+            # An empty tensor (a 0 in a dimension of the model's own) is served, as onnxruntime and Triton serve
+            # it; an empty sequence is not: a sequence model (attention over no position) has no answer for it.
+            empty = feeds[s.name]
+            if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
+                raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
         if self.batchable and n > self.max_batch_size:
             raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
         length = self._length(feeds)
-        if self.max_sequence_length and length > self.max_sequence_length:
+        # Without a sequence axis, max_sequence_length bounds the elements of one row.
+        longest = length if self.sequence_axis is not None else self._row_elements(feeds)
+        if self.max_sequence_length and longest > self.max_sequence_length:
             raise InvalidArgument(
-                f"sequence length {length} exceeds model '{self.name}' limit of {self.max_sequence_length}"
+                f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
             )
         for name, size in self.vocab_size.items():
             a = feeds.get(name)

@@ -377,7 +377,7 @@ def bad_requests() -> list[tuple[str, str, bytes, dict[str, str], int, str]]:
         ("ragged", ENCODER, _encoder([[1, 2], [3]], shape=[1, 3]), {}, 400, "not a regular array"),
         ("strings for INT64", ENCODER, _encoder(["a", "b", "c"]), {}, 400, "INT64 data cannot hold strings"),
         ("floats for INT64", ENCODER, _encoder([1.5, 2, 3]), {}, 400, "INT64 data cannot hold numbers with a fraction"),
-        ("int over INT64", ENCODER, _encoder([2**70, 1, 1]), {}, 400, "INT64 data cannot hold"),
+        ("int over INT64", ENCODER, _encoder([2**70, 1, 1]), {}, 400, f"value {2**70} is outside INT64"),
         ("null in data", ENCODER, _encoder([None, 1, 1]), {}, 400, "INT64 data cannot hold"),
         ("wrong datatype", ENCODER, _encoder([1, 2, 3], "INT32"), {}, 400, "expects INT64"),
         ("token id out of range", ENCODER, _encoder([1, 2, 10**6]), {}, 400, "outside the vocabulary"),
