@@ -3,16 +3,16 @@
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
   padded along the sequence axis, each request given back its own slice of every output; a graph
   without a batch axis (max_batch_size 0) runs each request alone, its outputs whole.
-- `G2PModel`: TEXT -> PHONEMES (and ATTENTION on request), each word decoded on the shared
-  continuous batch.
+- `G2PModel`: TEXT -> PHONEMES (and ATTENTION, WORDS, REASONS on request): text read into words by
+  service/models/g2p_text.py, each word decoded on the shared continuous batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import string
 import time
+import unicodedata
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -21,6 +21,7 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
+from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
@@ -40,6 +41,8 @@ log = logging.getLogger("qkv.models")
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
 # A g2p request with more text than this is split and normalized on a worker thread.
 THREAD_TEXT_BYTES = 1 << 18
+# Words a g2p request's text may read as, per word written (max_words): "$3.50" is four, "1999" three.
+SPOKEN_PER_WORD = 4
 
 
 @dataclass
@@ -384,20 +387,18 @@ class TensorModel:
         entry[1] += ns
 
 
-# Punctuation stripped around words, apostrophes kept ('bout, james'); a character left inside a word
-# must be in the grapheme vocabulary.
-_STRIP = string.punctuation.replace("'", "") + "“”«»…–—"
 # Words counted on the raw bytes, before any is decoded or normalized (count_words): whitespace as
-# str.split sees it, and the punctuation normalize_word strips.
-_ASCII_STRIP = bytes(c for c in _STRIP.encode() if c < 0x80)
-_WIDE_STRIP = [c.encode() for c in _STRIP if ord(c) >= 0x80]
+# str.split sees it, and punctuation the text rules do not read (a token of it alone is no word).
+_ASCII_STRIP = SILENT_ASCII.encode()
+_WIDE_STRIP = [c.encode() for c in SILENT_WIDE]
 _WIDE_SPACES = [chr(c).encode() for c in range(0x80, 0x3001) if chr(c).isspace()]
 _SPACE_OR_LETTER = bytes(0x20 if chr(b).isspace() else 0x61 for b in range(0x80)) + b"a" * 0x80
 
 
 def count_words(text: bytes) -> int:
-    """The words `normalize_word` would keep in `text` (UTF-8), counted by C-level passes over the
-    bytes: no Python object per word, so a flood of words is refused before any is built."""
+    """The words written in `text` (UTF-8), as the text rules see them before reading them out (a token
+    of punctuation alone is none), counted by C-level passes over the bytes: no Python object per word,
+    so a flood of words is refused before any is built."""
     for space in _WIDE_SPACES:
         if space in text:
             text = text.replace(space, b" ")
@@ -409,11 +410,16 @@ def count_words(text: bytes) -> int:
 
 
 def normalize_word(token: str) -> str:
-    """Lowercase, punctuation around dropped; an abbreviation keeps its final period (c.o.d.)."""
-    core = token.lower().strip(_STRIP)
-    if "." in core and token.rstrip(_STRIP.replace(".", "")).endswith("."):
-        core += "."
-    return core
+    """What one written word reads as, the spoken words space-separated ("$5" -> "five dollars",
+    "Hello," -> "hello", "c.o.d." -> "c.o.d."; "" for punctuation alone): service/models/g2p_text.py."""
+    return " ".join(spoken_words(token))
+
+
+def _control_character(text: str) -> str | None:
+    """The first control character in `text` that is not whitespace: no text rule reads one."""
+    if text.isprintable():
+        return None
+    return next((c for c in text if unicodedata.category(c) == "Cc" and not c.isspace()), None)
 
 
 class G2PModel:
@@ -422,7 +428,10 @@ class G2PModel:
     outputs: ClassVar[list[TensorSpec]] = [
         TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
         TensorSpec("ATTENTION", "FP32", (-1, -1, -1), ("word", "phoneme", "grapheme")),
+        TensorSpec("WORDS", "BYTES", (-1,), ("word",)),  # the words read from TEXT, all elements in order
+        TensorSpec("REASONS", "BYTES", (-1,), ("word",)),  # why a word has no phonemes; empty when it has
     ]
+    text_rules = RULES  # the reading rules' version, which the model card may pin
 
     def __init__(self, config: ModelConfig, runtime: G2PRuntime, observer: ModelObserver) -> None:
         self.config, self.runtime = config, runtime
@@ -435,6 +444,12 @@ class G2PModel:
         self.max_element_bytes = int(limits.get("max_element_bytes", 1024))
         self.max_beam_size = int(limits.get("max_beam_size", 8))
         self.max_batch_size = config.batching.max_batch_size
+        pinned = config.card.get("text_normalization", RULES)
+        if pinned != RULES:
+            raise RepositoryError(
+                f"model '{self.name}' version {self.version}: its model card asks for text_normalization "
+                f"{quote(str(pinned))}, this server reads text by rules {quote(RULES)}"
+            )
         self.stats = ModelStats()
         self.answering = 0  # requests between their lookup and their answer (the server counts them)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
@@ -500,7 +515,7 @@ class G2PModel:
         return out
 
     def words(self, text: np.ndarray) -> list[list[str]]:
-        """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""
+        """Each TEXT element -> its words, read by the text rules (service/models/g2p_text.py)."""
         return self._words(self._raw_text(text))
 
     def _words(self, elements: list[bytes]) -> list[list[str]]:
@@ -510,26 +525,33 @@ class G2PModel:
                 s = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidArgument(f"input 'TEXT' element {i} is not valid UTF-8 (byte {e.start})") from None
-            words = [w for w in map(normalize_word, s.split()) if w]
+            control = _control_character(s)
+            if control is not None:  # not text a person writes: the whole request says so
+                token = next(t for t in s.split() if control in t)
+                raise InvalidArgument(
+                    f"input 'TEXT' element {i}: the model cannot spell character {quote(control)} "
+                    f"(U+{ord(control):04X}) in {quote(token, 40)}: a control character"
+                )
+            words = spoken_words(s, self.max_word_length)
             if not words:
                 raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
-            for w in words:
-                if len(w) > self.max_word_length:
-                    raise InvalidArgument(
-                        f"input 'TEXT' element {i}: word {quote(w, 40)} has {len(w)} letters, "
-                        f"the limit is {self.max_word_length}"
-                    )
-                bad = next((c for c in w if c not in self.graphemes), None)
-                if bad is not None:
-                    raise InvalidArgument(
-                        f"input 'TEXT' element {i}: the model cannot spell character {quote(bad)} "
-                        f"(U+{ord(bad):04X}) in {quote(w, 40)}"
-                    )
             out.append(words)
-        total = sum(map(len, out))
-        if total > self.max_words:
-            raise InvalidArgument(f"input 'TEXT': {total} words in one request, the limit is {self.max_words}")
+        total, limit = sum(map(len, out)), SPOKEN_PER_WORD * self.max_words
+        if total > limit:
+            raise InvalidArgument(
+                f"input 'TEXT': its words read as {total} words (numbers spelled out), the limit is {limit} "
+                f"({SPOKEN_PER_WORD} x max_words {self.max_words})"
+            )
         return out
+
+    def _unspellable(self, word: str) -> str:
+        """Why the model cannot decode `word`, or "" when it can."""
+        bad = next((c for c in word if c not in self.graphemes), None)
+        if bad is not None:
+            return f"the model cannot spell character {quote(bad)} (U+{ord(bad):04X}) in {quote(word, 40)}"
+        if len(word) > self.max_word_length:  # the text rules cut long words: only a rule's fault gets here
+            return f"word {quote(word, 40)} has {len(word)} letters, the limit is {self.max_word_length}"
+        return ""
 
     def _int_param(self, params: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
         value = params.get(name, default)
@@ -558,9 +580,10 @@ class G2PModel:
             raise InvalidArgument(f"input 'TEXT': datatype must be BYTES, model '{self.name}' got a numeric tensor")
         if text.size == 0:
             raise InvalidArgument("input 'TEXT' has no elements")
+        names = [o.name for o in self.outputs]
         for o in outputs:
-            if o not in ("PHONEMES", "ATTENTION"):
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: PHONEMES, ATTENTION)")
+            if o not in names:
+                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
         raw = self._raw_text(text)
@@ -569,15 +592,53 @@ class G2PModel:
         else:
             elements = self._words(raw)
         flat = [w for ws in elements for w in ws]
-        sources = [self.graphemes.encode(w) for w in flat]
+        reasons = [self._unspellable(w) for w in flat]
+        spelled = [i for i, why in enumerate(reasons) if not why]  # the words decoded, by index in `flat`
+        sources = [self.graphemes.encode(flat[i]) for i in spelled]
         with_attention = "ATTENTION" in outputs
-        req = WordsRequest(sources, max_out, beam, with_attention)
-        longest = max(map(len, sources))
+        longest = max(map(len, sources), default=0)
+        hyps: list[Hypothesis] = []
+        if sources:  # a request of unspellable words only is answered without decoding
+            hyps = await self._decode(sources, max_out, beam, with_attention, deadline, trace)
+        decoded: list[list[str]] = [[] for _ in flat]
+        for i, h in zip(spelled, hyps, strict=True):
+            decoded[i] = self.phonemes.decode(h.output)
+        joined, k = [], 0
+        for ws in elements:
+            joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
+            k += len(ws)
+        result: dict[str, np.ndarray] = {}
+        if not outputs or "PHONEMES" in outputs:
+            result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
+        if with_attention:  # a row per word read, zeros for one not decoded
+            t = max(map(len, decoded)) or 1
+            att = np.zeros((len(flat), t, max(longest, 1)), dtype=np.float32)
+            for i, h in zip(spelled, hyps, strict=True):
+                d = decoded[i]
+                rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
+                att[i, : len(d), : rows.shape[1]] = rows
+            result["ATTENTION"] = att
+        if "WORDS" in outputs:
+            result["WORDS"] = np.array([w.encode() for w in flat], dtype=np.object_)
+        if "REASONS" in outputs:
+            result["REASONS"] = np.array([r.encode() for r in reasons], dtype=np.object_)
+        return Result(result, longest, sum(map(len, sources)), sum(len(decoded[i]) for i in spelled))
+
+    async def _decode(
+        self,
+        sources: list[list[int]],
+        max_out: int,
+        beam: int,
+        with_attention: bool,
+        deadline: float | None,
+        trace: RequestTrace | None,
+    ) -> list[Hypothesis]:
+        """The words through the shared continuous batch, each answered as its own hypothesis."""
         loop = asyncio.get_running_loop()
         item = WorkItem(
             rows=len(sources) * beam,  # a beam search decodes each word in `beam` rows: its cost
-            length=longest + 1,
-            payload=req,
+            length=max(map(len, sources)) + 1,
+            payload=WordsRequest(sources, max_out, beam, with_attention),
             future=loop.create_future(),
             deadline=deadline,
             trace=trace,
@@ -586,22 +647,7 @@ class G2PModel:
         hyps: list[Hypothesis] = await self.scheduler.submit(item)
         self.stats.account_request(item)
         self._account(len(sources), time.perf_counter_ns() - t0)
-        decoded = [self.phonemes.decode(h.output) for h in hyps]
-        joined, k = [], 0
-        for ws in elements:
-            joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
-            k += len(ws)
-        result: dict[str, np.ndarray] = {}
-        if not outputs or "PHONEMES" in outputs:
-            result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
-        if with_attention:
-            t = max(len(d) for d in decoded) or 1
-            att = np.zeros((len(hyps), t, longest), dtype=np.float32)
-            for i, (h, d) in enumerate(zip(hyps, decoded, strict=True)):
-                rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
-                att[i, : len(d), : rows.shape[1]] = rows
-            result["ATTENTION"] = att
-        return Result(result, longest, sum(map(len, sources)), sum(map(len, decoded)))
+        return hyps
 
     def _account(self, words: int, ns: int) -> None:
         s = self.stats

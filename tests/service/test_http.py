@@ -229,7 +229,7 @@ def test_generate_answers_text_and_each_words_phonemes(web: RunningServer) -> No
     doc = json.loads(body)
     assert doc["text_output"] == "HH EH1 L OW0 | W ER1 L D"
     assert doc["words"] == [{"word": "hello", "phonemes": "HH EH1 L OW0"}, {"word": "world", "phonemes": "W ER1 L D"}]
-    status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u20acllo"}')
+    status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u0007llo"}')
     assert status == 400 and "cannot spell character" in json.loads(body)["error"]
     status, _, body = post(web.http_url, "/v2/models/g2p_encoder/generate", b'{"text_input": "hello"}')
     assert status == 400 and "has no input 'TEXT'" in json.loads(body)["error"]

@@ -57,7 +57,7 @@ def test_server_and_model_metadata(client: g.InferenceServerClient) -> None:
     assert list(m.inputs[0].shape) == [-1, -1]
     assert "CPUExecutionProvider" in m.platform
     g2p = client.get_model_metadata("g2p")
-    assert [o.name for o in g2p.outputs] == ["PHONEMES", "ATTENTION"]
+    assert [o.name for o in g2p.outputs] == ["PHONEMES", "ATTENTION", "WORDS", "REASONS"]
     assert not client.is_model_ready("nope")
 
 
