@@ -321,7 +321,7 @@ class _Reader:
         """A token no rule reads whole (mp3, and/or, AT&T, 中文food): its pieces, each read on its own."""
         words: list[str] = []
         for piece in _PIECES.findall(core):
-            if piece[0].isdigit() or piece[0] in _CURRENCY:
+            if piece[:2].lstrip("$£€¥")[:1].isdigit():  # a number, or an amount
                 if piece == core:  # no rule reads it whole (3/4/2020, 1.2.3): its numbers one by one
                     words += [w for run in re.findall(r"\d+", piece) for w in _Reader([run]).read()]
                 else:
@@ -330,8 +330,8 @@ class _Reader:
                 words.append(piece)  # another script: left whole, for the model to refuse by name
             elif piece[0].isalpha() or piece[0] in "'.-":
                 words += _plain(piece, False)
-            elif kept := "".join(c for c in piece if not _is_silent(c)):
-                words.append(_READ.get(kept) or (_CURRENCY[kept][0] if kept in _CURRENCY else kept))
+            elif kept := "".join(c for c in piece if not _is_silent(c)):  # a currency sign in a word: unread
+                words.append(_READ.get(kept, kept))
         return words
 
 
