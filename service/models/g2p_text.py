@@ -350,10 +350,13 @@ def _strip(token: str) -> tuple[str, bool]:
     return token[start:end], period
 
 
-def spoken_words(text: str, max_letters: int = 32) -> list[str]:
+def spoken_words(text: str, max_letters: int = 32, max_words: int | None = None) -> list[str]:
     """`text` as the words to spell, in order: read by the rules above, folded to Latin letters where
-    it can be, and no word longer than `max_letters`."""
+    it can be, and no word longer than `max_letters`. Reading stops once there are more than
+    `max_words`: a text that reads as too many words costs no more than the limit's worth."""
     out: list[str] = []
     for word in _Reader(fold(text).split()).read():
         out.extend(_split_long(word, max_letters) if len(word) > max_letters else (word,))
+        if max_words is not None and len(out) > max_words:
+            break
     return out

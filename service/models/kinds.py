@@ -39,8 +39,9 @@ __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 log = logging.getLogger("qkv.models")
 
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
-# A g2p request with more text than this is split and normalized on a worker thread.
-THREAD_TEXT_BYTES = 1 << 18
+# A g2p request with more text than this is read into words on a worker thread (the text rules take up
+# to some 3 us a byte: a few KiB are read on the event loop in well under the time of a decoding step).
+THREAD_TEXT_BYTES = 1 << 12
 # Words a g2p request's text may read as, per word written (max_words): "$3.50" is four, "1999" three.
 SPOKEN_PER_WORD = 4
 
@@ -520,6 +521,7 @@ class G2PModel:
 
     def _words(self, elements: list[bytes]) -> list[list[str]]:
         out = []
+        total, limit = 0, SPOKEN_PER_WORD * self.max_words
         for i, raw in enumerate(elements):
             try:
                 s = raw.decode("utf-8")
@@ -532,16 +534,16 @@ class G2PModel:
                     f"input 'TEXT' element {i}: the model cannot spell character {quote(control)} "
                     f"(U+{ord(control):04X}) in {quote(token, 40)}: a control character"
                 )
-            words = spoken_words(s, self.max_word_length)
+            words = spoken_words(s, self.max_word_length, limit - total)
             if not words:
                 raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
+            total += len(words)
+            if total > limit:  # read no further than the limit
+                raise InvalidArgument(
+                    f"input 'TEXT': its words read as more than {limit} words (numbers spelled out), the limit "
+                    f"is {limit} ({SPOKEN_PER_WORD} x max_words {self.max_words})"
+                )
             out.append(words)
-        total, limit = sum(map(len, out)), SPOKEN_PER_WORD * self.max_words
-        if total > limit:
-            raise InvalidArgument(
-                f"input 'TEXT': its words read as {total} words (numbers spelled out), the limit is {limit} "
-                f"({SPOKEN_PER_WORD} x max_words {self.max_words})"
-            )
         return out
 
     def _unspellable(self, word: str) -> str:

@@ -391,7 +391,8 @@ LIMITS = [
     (
         "words read out",
         _text(b"cat", b"1" * 300),
-        "input 'TEXT': its words read as 301 words (numbers spelled out), the limit is 256 (4 x max_words 64)",
+        "input 'TEXT': its words read as more than 256 words (numbers spelled out), "
+        "the limit is 256 (4 x max_words 64)",
     ),
     ("invalid UTF-8", _text(b"ok", b"a\xff", typed=True), "input 'TEXT' element 1 is not valid UTF-8 (byte 1)"),
     ("control character", _text(b"a\x07b"), "cannot spell character '\\x07' (U+0007) in 'a\\x07b'"),

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as g
 import tritonclient.http as h
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.bench.servers import variant
 from service.models.g2p_text import RULES, cardinal, fold, ordinal, spoken_words, year
@@ -98,6 +100,12 @@ def test_long_words_are_cut_to_the_limit_at_hyphens_first() -> None:
     assert spoken_words("x" * 20 + "-" + "y" * 20, max_letters=32) == ["x" * 20, "y" * 20]
     assert spoken_words("x" * 20 + "-" + "y" * 5, max_letters=32) == ["x" * 20 + "-" + "y" * 5]
     assert spoken_words("1" * 40) == ["one"] * 40  # past 15 digits, digit by digit
+
+
+def test_reading_stops_past_the_word_limit() -> None:
+    """A text that reads as too many words is read no further than the token that crosses the limit."""
+    assert spoken_words("1 2 3 4 5 6", max_words=3) == ["one", "two", "three", "four"]
+    assert spoken_words("1" * 1000 + " more", max_words=10) == ["one"] * 11
 
 
 def test_normalize_word_reads_one_written_word() -> None:
@@ -207,3 +215,10 @@ def test_a_card_pinning_other_rules_is_not_served(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as refused:
         stop_server(start_server(["--model-repository", str(repo)], tmp_path / "server.log"))
     assert "model card asks for text_normalization 'en-0', this server reads text by rules 'en-1'" in str(refused.value)
+
+
+@settings(max_examples=2000, deadline=None, database=None)
+@given(st.text(max_size=80) | st.text(alphabet="0123456789$£.,:/%-#&' amp", max_size=30))
+def test_any_text_reads_as_words_within_the_limit(text: str) -> None:
+    words = spoken_words(text, max_letters=8)
+    assert all(w and len(w) <= 8 and not any(c.isspace() for c in w) for w in words), words
