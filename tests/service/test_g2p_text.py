@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from service.bench.servers import variant
 from service.models.g2p_text import RULES, cardinal, fold, ordinal, spoken_words, year
-from service.models.kinds import count_words, normalize_word
+from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_http import post
 
@@ -222,3 +222,14 @@ def test_a_card_pinning_other_rules_is_not_served(tmp_path: Path) -> None:
 def test_any_text_reads_as_words_within_the_limit(text: str) -> None:
     words = spoken_words(text, max_letters=8)
     assert all(w and len(w) <= 8 and not any(c.isspace() for c in w) for w in words), words
+
+
+def test_a_large_text_is_read_off_the_event_loop_and_answers_the_same(server: RunningServer) -> None:
+    """Over 4 KiB of text (THREAD_TEXT_BYTES) is read on a worker thread: the same words, the same answer."""
+    client = g.InferenceServerClient(server.url)
+    shouted = ["Hello" + "!" * 995, "£3.50" + "?" * 995] * 3
+    assert sum(map(len, shouted)) > THREAD_TEXT_BYTES
+    big = client.infer("g2p", [_text(shouted, g.InferInput)], outputs=[g.InferRequestedOutput("PHONEMES")])
+    small = client.infer("g2p", [_text(["hello", "£3.50"] * 3, g.InferInput)])
+    assert _decoded(big, "PHONEMES") == _decoded(small, "PHONEMES")
+    assert [len(p.split(" | ")) for p in _decoded(big, "PHONEMES")] == [1, 4] * 3
