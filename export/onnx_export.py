@@ -34,6 +34,7 @@ from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
 from service.cli import UsageError, in_range, readable_file
+from service.models.g2p_text import RULES as TEXT_RULES
 from service.repository.layout import available_versions, model_cards
 from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq.graphs import (
@@ -244,6 +245,7 @@ def write_repository(
     card = {
         "architecture": "Transformer encoder-decoder (Vaswani et al., 2017), pre-norm, tied target embeddings",
         "task": "English grapheme-to-phoneme, CMU Pronouncing Dictionary (ARPAbet with stress digits)",
+        "text_normalization": TEXT_RULES,  # how the server reads text into words for it
         "config": state["config"],
         "parameters": state["parameters"],
         "averaged_checkpoint_steps": state.get("averaged_steps"),

@@ -41,7 +41,7 @@ from service.errors import (
 from service.frontends.codec import decode_tensor, element_count, fill_output
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.models.classification import classify
-from service.models.kinds import ModelStats, Result, TensorModel
+from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
 from service.observability import logs
@@ -189,6 +189,8 @@ class InferenceService:
             config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
         config.parameters["provider"].string_value = m.provider
         config.parameters["kind"].string_value = m.kind
+        if isinstance(m, G2PModel):  # the version of the rules that read text into words
+            config.parameters["text_normalization"].string_value = m.text_rules
         if isinstance(m, TensorModel):  # the batching in force, and where each value came from
             reasons = m.tuning.reasons if m.tuning is not None else {}
             for key in BATCHING_SHOWN:

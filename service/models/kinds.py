@@ -3,17 +3,17 @@
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
   padded along the sequence axis, each request given back its own slice of every output; a graph
   without a batch axis (max_batch_size 0) runs each request alone, its outputs whole.
-- `G2PModel`: TEXT -> PHONEMES (and ATTENTION on request), each word decoded on the shared
-  continuous batch.
+- `G2PModel`: TEXT -> PHONEMES (and ATTENTION, WORDS, REASONS on request): text read into words by
+  service/models/g2p_text.py, each word decoded on the shared continuous batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import string
 import threading
 import time
+import unicodedata
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -22,6 +22,7 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
+from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
@@ -42,8 +43,11 @@ __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 log = logging.getLogger("qkv.models")
 
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
-# A g2p request with more text than this is split and normalized on a worker thread.
-THREAD_TEXT_BYTES = 1 << 18
+# A g2p request with more text than this is read into words on a worker thread (the text rules take up
+# to some 3 us a byte: a few KiB are read on the event loop in well under the time of a decoding step).
+THREAD_TEXT_BYTES = 1 << 12
+# Words a g2p request's text may read as, per word written (max_words): "$3.50" is four, "1999" three.
+SPOKEN_PER_WORD = 4
 
 
 @dataclass
@@ -438,20 +442,18 @@ class TensorModel:
         return dict(zip(wanted, arrays, strict=True))
 
 
-# Punctuation stripped around words, apostrophes kept ('bout, james'); a character left inside a word
-# must be in the grapheme vocabulary.
-_STRIP = string.punctuation.replace("'", "") + "“”«»…–—"
 # Words counted on the raw bytes, before any is decoded or normalized (count_words): whitespace as
-# str.split sees it, and the punctuation normalize_word strips.
-_ASCII_STRIP = bytes(c for c in _STRIP.encode() if c < 0x80)
-_WIDE_STRIP = [c.encode() for c in _STRIP if ord(c) >= 0x80]
+# str.split sees it, and punctuation the text rules do not read (a token of it alone is no word).
+_ASCII_STRIP = SILENT_ASCII.encode()
+_WIDE_STRIP = [c.encode() for c in SILENT_WIDE]
 _WIDE_SPACES = [chr(c).encode() for c in range(0x80, 0x3001) if chr(c).isspace()]
 _SPACE_OR_LETTER = bytes(0x20 if chr(b).isspace() else 0x61 for b in range(0x80)) + b"a" * 0x80
 
 
 def count_words(text: bytes) -> int:
-    """The words `normalize_word` would keep in `text` (UTF-8), counted by C-level passes over the
-    bytes: no Python object per word, so a flood of words is refused before any is built."""
+    """The words written in `text` (UTF-8), as the text rules see them before reading them out (a token
+    of punctuation alone is none), counted by C-level passes over the bytes: no Python object per word,
+    so a flood of words is refused before any is built."""
     for space in _WIDE_SPACES:
         if space in text:
             text = text.replace(space, b" ")
@@ -463,11 +465,16 @@ def count_words(text: bytes) -> int:
 
 
 def normalize_word(token: str) -> str:
-    """Lowercase, punctuation around dropped; an abbreviation keeps its final period (c.o.d.)."""
-    core = token.lower().strip(_STRIP)
-    if "." in core and token.rstrip(_STRIP.replace(".", "")).endswith("."):
-        core += "."
-    return core
+    """What one written word reads as, the spoken words space-separated ("$5" -> "five dollars",
+    "Hello," -> "hello", "c.o.d." -> "c.o.d."; "" for punctuation alone): service/models/g2p_text.py."""
+    return " ".join(spoken_words(token))
+
+
+def _control_character(text: str) -> str | None:
+    """The first control character in `text` that is not whitespace: no text rule reads one."""
+    if text.isprintable():
+        return None
+    return next((c for c in text if unicodedata.category(c) == "Cc" and not c.isspace()), None)
 
 
 def _hypothesis_bytes(h: Hypothesis) -> int:
@@ -482,7 +489,10 @@ class G2PModel:
     outputs: ClassVar[list[TensorSpec]] = [
         TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
         TensorSpec("ATTENTION", "FP32", (-1, -1, -1), ("word", "phoneme", "grapheme")),
+        TensorSpec("WORDS", "BYTES", (-1,), ("word",)),  # the words read from TEXT, all elements in order
+        TensorSpec("REASONS", "BYTES", (-1,), ("word",)),  # why a word has no phonemes; empty when it has
     ]
+    text_rules = RULES  # the reading rules' version, which the model card may pin
 
     def __init__(self, config: ModelConfig, runtime: G2PRuntime, observer: ModelObserver) -> None:
         self.config, self.runtime = config, runtime
@@ -495,6 +505,12 @@ class G2PModel:
         self.max_element_bytes = int(limits.get("max_element_bytes", 1024))
         self.max_beam_size = int(limits.get("max_beam_size", 8))
         self.max_batch_size = config.batching.max_batch_size
+        pinned = config.card.get("text_normalization", RULES)
+        if pinned != RULES:
+            raise RepositoryError(
+                f"model '{self.name}' version {self.version}: its model card asks for text_normalization "
+                f"{quote(str(pinned))}, this server reads text by rules {quote(RULES)}"
+            )
         self.stats = ModelStats()
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
@@ -562,36 +578,44 @@ class G2PModel:
         return out
 
     def words(self, text: np.ndarray) -> list[list[str]]:
-        """Each TEXT element -> its words: lowercased, split on whitespace, punctuation around dropped."""
+        """Each TEXT element -> its words, read by the text rules (service/models/g2p_text.py)."""
         return self._words(self._raw_text(text))
 
     def _words(self, elements: list[bytes]) -> list[list[str]]:
         out = []
+        total, limit = 0, SPOKEN_PER_WORD * self.max_words
         for i, raw in enumerate(elements):
             try:
                 s = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise InvalidArgument(f"input 'TEXT' element {i} is not valid UTF-8 (byte {e.start})") from None
-            words = [w for w in map(normalize_word, s.split()) if w]
+            control = _control_character(s)
+            if control is not None:  # not text a person writes: the whole request says so
+                token = next(t for t in s.split() if control in t)
+                raise InvalidArgument(
+                    f"input 'TEXT' element {i}: the model cannot spell character {quote(control)} "
+                    f"(U+{ord(control):04X}) in {quote(token, 40)}: a control character"
+                )
+            words = spoken_words(s, self.max_word_length, limit - total)
             if not words:
                 raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
-            for w in words:
-                if len(w) > self.max_word_length:
-                    raise InvalidArgument(
-                        f"input 'TEXT' element {i}: word {quote(w, 40)} has {len(w)} letters, "
-                        f"the limit is {self.max_word_length}"
-                    )
-                bad = next((c for c in w if c not in self.graphemes), None)
-                if bad is not None:
-                    raise InvalidArgument(
-                        f"input 'TEXT' element {i}: the model cannot spell character {quote(bad)} "
-                        f"(U+{ord(bad):04X}) in {quote(w, 40)}"
-                    )
+            total += len(words)
+            if total > limit:  # read no further than the limit
+                raise InvalidArgument(
+                    f"input 'TEXT': its words read as more than {limit} words (numbers spelled out), the limit "
+                    f"is {limit} ({SPOKEN_PER_WORD} x max_words {self.max_words})"
+                )
             out.append(words)
-        total = sum(map(len, out))
-        if total > self.max_words:
-            raise InvalidArgument(f"input 'TEXT': {total} words in one request, the limit is {self.max_words}")
         return out
+
+    def _unspellable(self, word: str) -> str:
+        """Why the model cannot decode `word`, or "" when it can."""
+        bad = next((c for c in word if c not in self.graphemes), None)
+        if bad is not None:
+            return f"the model cannot spell character {quote(bad)} (U+{ord(bad):04X}) in {quote(word, 40)}"
+        if len(word) > self.max_word_length:  # the text rules cut long words: only a rule's fault gets here
+            return f"word {quote(word, 40)} has {len(word)} letters, the limit is {self.max_word_length}"
+        return ""
 
     def _int_param(self, params: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
         value = params.get(name, default)
@@ -610,6 +634,33 @@ class G2PModel:
     def _cached(self, key: bytes) -> Hypothesis | None:
         assert self.cache is not None
         return self.cache.get(key, self.name, self.version)
+
+    async def _answers(
+        self,
+        sources: list[list[int]],
+        max_out: int,
+        beam: int,
+        with_attention: bool,
+        deadline: float | None,
+        trace: RequestTrace | None,
+    ) -> list[Hypothesis]:
+        """Each word's hypothesis: kept ones from the response cache (when on), the others decoded, each
+        word once however often the request holds it."""
+        keys = [self._word_key(src, max_out, beam, with_attention) for src in sources] if self.cache else []
+        hyps: list[Hypothesis | None] = [self._cached(k) for k in keys] if self.cache else [None] * len(sources)
+        todo: dict[tuple[int, ...], int] = {}  # a word to decode -> its first place in the request
+        for i, (src, h) in enumerate(zip(sources, hyps, strict=True)):
+            if h is None:
+                todo.setdefault(tuple(src), i)
+        if todo:
+            firsts = list(todo.values())
+            fresh = await self._decode([sources[i] for i in firsts], max_out, beam, with_attention, deadline, trace)
+            by_word = dict(zip(todo, fresh, strict=True))
+            hyps = [h if h is not None else by_word[tuple(src)] for src, h in zip(sources, hyps, strict=True)]
+            if self.cache is not None:
+                for i, h in zip(firsts, fresh, strict=True):  # kept without its request (`tag`)
+                    self.cache.put(keys[i], replace(h, tag=None), _hypothesis_bytes(h), self.name, self.version)
+        return [h for h in hyps if h is not None]  # every word has its hypothesis now
 
     async def _decode(
         self,
@@ -654,9 +705,10 @@ class G2PModel:
             raise InvalidArgument(f"input 'TEXT': datatype must be BYTES, model '{self.name}' got a numeric tensor")
         if text.size == 0:
             raise InvalidArgument("input 'TEXT' has no elements")
+        names = [o.name for o in self.outputs]
         for o in outputs:
-            if o not in ("PHONEMES", "ATTENTION"):
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: PHONEMES, ATTENTION)")
+            if o not in names:
+                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
         raw = self._raw_text(text)
@@ -665,26 +717,15 @@ class G2PModel:
         else:
             elements = self._words(raw)
         flat = [w for ws in elements for w in ws]
-        sources = [self.graphemes.encode(w) for w in flat]
+        reasons = [self._unspellable(w) for w in flat]
+        spelled = [i for i, why in enumerate(reasons) if not why]  # the words decoded, by index in `flat`
+        sources = [self.graphemes.encode(flat[i]) for i in spelled]
         with_attention = "ATTENTION" in outputs
-        longest = max(map(len, sources))
-        keys = [self._word_key(src, max_out, beam, with_attention) for src in sources] if self.cache else []
-        hyps: list[Hypothesis | None] = [self._cached(k) for k in keys] if self.cache else [None] * len(sources)
-        # each word that is not kept decodes once, however often the request holds it
-        todo: dict[tuple[int, ...], int] = {}  # such a word -> its first place in the request
-        for i, (src, h) in enumerate(zip(sources, hyps, strict=True)):
-            if h is None:
-                todo.setdefault(tuple(src), i)
-        if todo:
-            firsts = list(todo.values())
-            fresh = await self._decode([sources[i] for i in firsts], max_out, beam, with_attention, deadline, trace)
-            by_word = dict(zip(todo, fresh, strict=True))
-            hyps = [h if h is not None else by_word[tuple(src)] for src, h in zip(sources, hyps, strict=True)]
-            if self.cache is not None:
-                for i, h in zip(firsts, fresh, strict=True):  # kept without its request (`tag`)
-                    self.cache.put(keys[i], replace(h, tag=None), _hypothesis_bytes(h), self.name, self.version)
-        words = [h for h in hyps if h is not None]  # every word has its hypothesis now
-        decoded = [self.phonemes.decode(h.output) for h in words]
+        longest = max(map(len, sources), default=0)
+        hyps = await self._answers(sources, max_out, beam, with_attention, deadline, trace)
+        decoded: list[list[str]] = [[] for _ in flat]
+        for i, h in zip(spelled, hyps, strict=True):
+            decoded[i] = self.phonemes.decode(h.output)
         joined, k = [], 0
         for ws in elements:
             joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
@@ -692,11 +733,16 @@ class G2PModel:
         result: dict[str, np.ndarray] = {}
         if not outputs or "PHONEMES" in outputs:
             result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
-        if with_attention:
-            t = max(len(d) for d in decoded) or 1
-            att = np.zeros((len(words), t, longest), dtype=np.float32)
-            for i, (h, d) in enumerate(zip(words, decoded, strict=True)):
+        if with_attention:  # a row per word read, zeros for one not decoded
+            t = max(map(len, decoded)) or 1
+            att = np.zeros((len(flat), t, max(longest, 1)), dtype=np.float32)
+            for i, h in zip(spelled, hyps, strict=True):
+                d = decoded[i]
                 rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
                 att[i, : len(d), : rows.shape[1]] = rows
             result["ATTENTION"] = att
-        return Result(result, longest, sum(map(len, sources)), sum(map(len, decoded)))
+        if "WORDS" in outputs:
+            result["WORDS"] = np.array([w.encode() for w in flat], dtype=np.object_)
+        if "REASONS" in outputs:
+            result["REASONS"] = np.array([r.encode() for r in reasons], dtype=np.object_)
+        return Result(result, longest, sum(map(len, sources)), sum(len(decoded[i]) for i in spelled))

@@ -389,12 +389,13 @@ LIMITS = [
     ("words over elements", _text(*[b"a b c"] * 22), "input 'TEXT': 66 words in one request, the limit is 64"),
     ("bytes per element", _text(b"a" * 1025), "input 'TEXT' element 0: 1025 bytes, the limit is 1024"),
     (
-        "letters per word",
-        _text(b"cat", b"a" * 33),
-        "input 'TEXT' element 1: word '" + "a" * 33 + "' has 33 letters, the limit is 32",
+        "words read out",
+        _text(b"cat", b"1" * 300),
+        "input 'TEXT': its words read as more than 256 words (numbers spelled out), "
+        "the limit is 256 (4 x max_words 64)",
     ),
     ("invalid UTF-8", _text(b"ok", b"a\xff", typed=True), "input 'TEXT' element 1 is not valid UTF-8 (byte 1)"),
-    ("unspellable", _text("café".encode()), "cannot spell character 'é' (U+00E9)"),
+    ("control character", _text(b"a\x07b"), "cannot spell character '\\x07' (U+0007) in 'a\\x07b'"),
     ("empty element", _text(b" ... "), "input 'TEXT' element 0 is empty"),
     (
         "NaN",

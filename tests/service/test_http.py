@@ -209,9 +209,9 @@ def test_tritonclient_http_aio(web: RunningServer) -> None:
 def test_errors_have_grpc_messages_and_an_http_status(web: RunningServer) -> None:
     grpc_client, client = g.InferenceServerClient(web.url), h.InferenceServerClient(web.http_url)
     bad = h.InferInput("TEXT", [1], "BYTES")
-    bad.set_data_from_numpy(np.array(["h€llo".encode()], dtype=object))
+    bad.set_data_from_numpy(np.array([b"h\x07llo"], dtype=object))
     bad_g = g.InferInput("TEXT", [1], "BYTES")
-    bad_g.set_data_from_numpy(np.array(["h€llo".encode()], dtype=object))
+    bad_g.set_data_from_numpy(np.array([b"h\x07llo"], dtype=object))
     for model, tensor, tensor_g, status in (("g2p", bad, bad_g, "400"), ("nope", bad, bad_g, "404")):
         with pytest.raises(InferenceServerException) as over_http:
             client.infer(model, [tensor])
@@ -230,7 +230,7 @@ def test_generate_answers_text_and_each_words_phonemes(web: RunningServer) -> No
     doc = json.loads(body)
     assert doc["text_output"] == "HH EH1 L OW0 | W ER1 L D"
     assert doc["words"] == [{"word": "hello", "phonemes": "HH EH1 L OW0"}, {"word": "world", "phonemes": "W ER1 L D"}]
-    status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u20acllo"}')
+    status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u0007llo"}')
     assert status == 400 and "cannot spell character" in json.loads(body)["error"]
     status, _, body = post(web.http_url, "/v2/models/g2p_encoder/generate", b'{"text_input": "hello"}')
     assert status == 400 and "has no input 'TEXT'" in json.loads(body)["error"]
@@ -251,7 +251,7 @@ def test_generate_stream_sends_an_event_per_word_then_the_whole(web: RunningServ
     # an error before the first word is a status; one after it, an error event
     status, _, body = post(web.http_url, "/v2/models/nope/generate_stream", b'{"text_input": "hi"}')
     assert status == 404
-    status, _, body = post(web.http_url, "/v2/models/g2p/generate_stream", b'{"text_input": "hello w\\u20acrld"}')
+    status, _, body = post(web.http_url, "/v2/models/g2p/generate_stream", b'{"text_input": "hello w\\u0007rld"}')
     assert status == 200 and body.decode().split("\n\n")[1].startswith("event: error\ndata: ")
 
 

@@ -31,7 +31,7 @@ def test_tritonclient_stream_answers_each_request_as_it_gets_alone(server: Runni
     for i, length in enumerate([3, 17, 40, 9]):
         sent[f"e{i}"] = ("g2p_encoder", encoder_inputs(rng.integers(4, 33, (1, length)).astype(np.int64)))
     bad = g.InferInput("TEXT", [1], "BYTES")
-    bad.set_data_from_numpy(np.array(["naïve".encode()], dtype=object))
+    bad.set_data_from_numpy(np.array([b"a\x07b"], dtype=object))  # a control character: refused
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client = g.InferenceServerClient(server.url)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))

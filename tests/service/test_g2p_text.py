@@ -1,0 +1,235 @@
+"""Text as people write it: the reading rules (service/models/g2p_text.py) on a corpus of awkward
+sentences, then the same sentences through a real server over gRPC and HTTP, every one answered, with a
+pronunciation or a reason per word."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as g
+import tritonclient.http as h
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.bench.servers import variant
+from service.models.g2p_text import RULES, cardinal, fold, ordinal, spoken_words, year
+from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
+from tests.conftest import MODELS, RunningServer, start_server, stop_server
+from tests.service.test_http import post
+
+# Awkward sentences and the words they read as (docs/model.md, "Text normalisation").
+CORPUS = [
+    ("Dr. Smith paid $5 on 3/4", "doctor smith paid five dollars on three quarters"),
+    ("naïve café", "naive cafe"),
+    ("Straße, Æsop and Øresund", "strasse aesop and oresund"),
+    ("Müller’s crème brûlée", "muller's creme brulee"),
+    ("I was born in 1999; she in 2005.", "i was born in nineteen ninety nine she in two thousand five"),
+    ("It was 1905, then 1900, then 2024", "it was nineteen oh five then nineteen hundred then twenty twenty four"),
+    ("1,999 people and 1000 cats", "one thousand nine hundred ninety nine people and one thousand cats"),
+    ("He came 3rd, she 21st, they 100th", "he came third she twenty first they one hundredth"),
+    ("$3.50, £1.01 and €2", "three dollars fifty cents one pound one penny and two euros"),
+    ("It cost $0.05, or ¥500", "it cost five cents or five hundred yen"),
+    ("a $5 million deal, $1.5 billion", "a five million dollars deal one point five billion dollars"),
+    ("42 and 1,234,567", "forty two and one million two hundred thirty four thousand five hundred sixty seven"),
+    ("pi is 3.14, not .5 or -7", "pi is three point one four not point five or minus seven"),
+    ("Add 1/2 cup, then 1 1/2, then 5/8", "add one half cup then one and one half then five eighths"),
+    ("Meet at 3:30 pm, not 3:00 or 3:05", "meet at three thirty p.m. not three o'clock or three oh five"),
+    ("At 15:00, 7pm and 9 a.m.", "at fifteen hundred seven p.m. and nine a.m."),
+    ("Up 50% or 3.5 %", "up fifty percent or three point five percent"),
+    ("Mr. & Mrs. Jones vs. the rest", "mister and missus jones versus the rest"),
+    ("St. Louis is not Main St.", "saint louis is not main street"),
+    ("I live on Elm Dr., Springfield", "i live on elm drive springfield"),
+    ("apples, pears, etc.", "apples pears et cetera"),
+    ("No. 5 is #1", "number five is number one"),
+    ("the 1990s and the '80s", "the nineteen nineties and the eighties"),
+    ("Bond, 007", "bond zero zero seven"),
+    ("AT&T and/or mp3", "at and t and or mp three"),
+    ("“Hello,” she said — (quietly)!", "hello she said quietly"),
+    ("c.o.d. is fine. So is state-of-the-art", "c.o.d. is fine so is state-of-the-art"),
+    ("½ ² ﬁne ＡＢＣ", "one half two fine abc"),
+    ("pneumonoultramicroscopicsilicovolcanoconiosis", "pneumonoultramicroscopi csilicovolcanoconiosis"),
+    ("I love 中文 food 🍕", "i love 中文 food 🍕"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), CORPUS)
+def test_sentences_read_as_english_words(text: str, words: str) -> None:
+    assert spoken_words(text) == words.split()
+
+
+@pytest.mark.parametrize(
+    ("n", "cardinal_words", "ordinal_words"),
+    [
+        (0, "zero", "zeroth"),
+        (7, "seven", "seventh"),
+        (12, "twelve", "twelfth"),
+        (40, "forty", "fortieth"),
+        (42, "forty two", "forty second"),
+        (100, "one hundred", "one hundredth"),
+        (1001, "one thousand one", "one thousand first"),
+        (2_000_000, "two million", "two millionth"),
+    ],
+)
+def test_cardinals_and_ordinals(n: int, cardinal_words: str, ordinal_words: str) -> None:
+    assert " ".join(cardinal(n)) == cardinal_words
+    assert " ".join(ordinal(n)) == ordinal_words
+
+
+@pytest.mark.parametrize(
+    ("n", "words"),
+    [(1999, "nineteen ninety nine"), (2005, "two thousand five"), (2000, "two thousand"), (1100, "eleven hundred"),
+     (1905, "nineteen oh five"), (2010, "twenty ten")],
+)  # fmt: skip
+def test_years(n: int, words: str) -> None:
+    assert " ".join(year(n)) == words
+
+
+@pytest.mark.parametrize(
+    ("text", "folded"),
+    [("naïve", "naive"), ("ß", "ss"), ("æ", "ae"), ("Ø", "O"), ("ł", "l"), ("’", "'"), ("中文", "中文"), ("🍕", "🍕")],
+)
+def test_folding_keeps_what_is_not_latin(text: str, folded: str) -> None:
+    assert fold(text) == folded
+
+
+def test_long_words_are_cut_to_the_limit_at_hyphens_first() -> None:
+    assert spoken_words("a" * 70, max_letters=32) == ["a" * 24, "a" * 24, "a" * 22]
+    assert spoken_words("x" * 20 + "-" + "y" * 20, max_letters=32) == ["x" * 20, "y" * 20]
+    assert spoken_words("x" * 20 + "-" + "y" * 5, max_letters=32) == ["x" * 20 + "-" + "y" * 5]
+    assert spoken_words("1" * 40) == ["one"] * 40  # past 15 digits, digit by digit
+
+
+def test_reading_stops_past_the_word_limit() -> None:
+    """A text that reads as too many words is read no further than the token that crosses the limit."""
+    assert spoken_words("1 2 3 4 5 6", max_words=3) == ["one", "two", "three", "four"]
+    assert spoken_words("1" * 1000 + " more", max_words=10) == ["one"] * 11
+
+
+def test_normalize_word_reads_one_written_word() -> None:
+    assert normalize_word("$5") == "five dollars"
+    assert normalize_word("Hello,") == "hello" and normalize_word("--") == ""
+
+
+@pytest.mark.parametrize(("text", "words"), CORPUS)
+def test_the_raw_count_counts_each_written_word_once(text: str, words: str) -> None:
+    """The limit checked before any work counts words as written, one per token that reads as any."""
+    written = [t for t in text.split() if spoken_words(t)]
+    assert count_words(text.encode()) == len(written)
+
+
+def test_the_card_names_the_rules() -> None:
+    card = json.loads((MODELS / "g2p" / "config.json").read_text())["model_card"]
+    assert card["text_normalization"] == RULES
+    assert all(v["text_normalization"] == RULES for v in card["versions"].values())
+
+
+# --- a real server ------------------------------------------------------------------------------------------
+
+
+def _text(sentences: list[str], client: type[g.InferInput] | type[h.InferInput]) -> g.InferInput | h.InferInput:
+    text = client("TEXT", [len(sentences)], "BYTES")
+    text.set_data_from_numpy(np.array([s.encode() for s in sentences], dtype=object))
+    return text
+
+
+def _decoded(result: g.InferResult | h.InferResult, name: str) -> list[str]:
+    return [x.decode() for x in result.as_numpy(name)]
+
+
+def _answers(client: g.InferenceServerClient | h.InferenceServerClient) -> tuple[list[str], list[str], list[str]]:
+    """The corpus in requests of 4 sentences (max_words counts words as written): PHONEMES, WORDS, REASONS."""
+    grpc = isinstance(client, g.InferenceServerClient)
+    tensor, output = (g.InferInput, g.InferRequestedOutput) if grpc else (h.InferInput, h.InferRequestedOutput)
+    names = ("PHONEMES", "WORDS", "REASONS")
+    out: tuple[list[str], list[str], list[str]] = ([], [], [])
+    for i in range(0, len(CORPUS), 4):
+        sentences = [s for s, _ in CORPUS[i : i + 4]]
+        result = client.infer("g2p", [_text(sentences, tensor)], outputs=[output(n) for n in names])
+        for answers, name in zip(out, names, strict=True):
+            answers += _decoded(result, name)
+    return out
+
+
+def test_the_corpus_is_answered_over_grpc_word_for_word(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    phonemes, words, reasons = _answers(client)
+    assert words == [w for _, ws in CORPUS for w in ws.split()]
+    assert len(reasons) == len(words)
+    k = 0
+    for (sentence, expected), said in zip(CORPUS, phonemes, strict=True):
+        parts = said.split(" | ")
+        assert len(parts) == len(expected.split()), sentence
+        for part, why in zip(parts, reasons[k : k + len(parts)], strict=True):
+            assert bool(part) != bool(why), (sentence, part, why)  # a pronunciation, or a reason
+        k += len(parts)
+    unspelled = {w: r for w, r in zip(words, reasons, strict=True) if r}
+    assert unspelled == {
+        "中文": "the model cannot spell character '中' (U+4E2D) in '中文'",
+        "🍕": "the model cannot spell character '🍕' (U+1F355) in '🍕'",
+    }
+    # A word's phonemes do not depend on the text around it: "food" beside the unspellable, and alone.
+    alone = _decoded(client.infer("g2p", [_text(["food"], g.InferInput)]), "PHONEMES")
+    assert phonemes[-1].split(" | ")[3] == alone[0]
+
+
+def test_clients_that_ask_for_nothing_new_get_the_old_outputs(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    result = client.infer("g2p", [_text(["I love 中文 food"], g.InferInput)])
+    assert [o.name for o in result.get_response().outputs] == ["PHONEMES"]
+    said = _decoded(result, "PHONEMES")[0].split(" | ")
+    assert len(said) == 4 and said[2] == "" and all(said[i] for i in (0, 1, 3))
+
+
+def test_only_unspellable_words_are_answered_without_decoding(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    wanted = [g.InferRequestedOutput(n) for n in ("PHONEMES", "REASONS", "ATTENTION")]
+    result = client.infer("g2p", [_text(["中文 🍕", "ok"], g.InferInput)], outputs=wanted)
+    assert _decoded(result, "PHONEMES")[0] == " | "
+    assert all("cannot spell character" in r for r in _decoded(result, "REASONS")[:2])
+    attention = result.as_numpy("ATTENTION")
+    assert attention.shape[0] == 3 and not attention[:2].any() and attention[2].any()  # a row per word
+
+
+def test_http_answers_as_grpc_does(server: RunningServer) -> None:
+    assert _answers(h.InferenceServerClient(server.http_url)) == _answers(g.InferenceServerClient(server.url))
+
+
+def test_generate_reads_the_text_before_decoding(server: RunningServer) -> None:
+    body = json.dumps({"text_input": "Dr. Smith paid $5 on 3/4"}).encode()
+    status, _, answer = post(server.http_url, "/v2/models/g2p/generate", body)
+    assert status == 200
+    assert len(json.loads(answer)["text_output"].split(" | ")) == 8
+
+
+def test_the_rules_version_is_in_the_model_config(server: RunningServer) -> None:
+    config = g.InferenceServerClient(server.url).get_model_config("g2p").config
+    assert config.parameters["text_normalization"].string_value == RULES
+
+
+def test_a_card_pinning_other_rules_is_not_served(tmp_path: Path) -> None:
+    """Answers are reproducible: a model whose card names rules this server does not have is refused."""
+    repo = variant(MODELS, tmp_path / "models", {"g2p": {"model_card": {"text_normalization": "en-0"}}})
+    with pytest.raises(RuntimeError) as refused:
+        stop_server(start_server(["--model-repository", str(repo)], tmp_path / "server.log"))
+    assert "model card asks for text_normalization 'en-0', this server reads text by rules 'en-1'" in str(refused.value)
+
+
+@settings(max_examples=2000, deadline=None, database=None)
+@given(st.text(max_size=80) | st.text(alphabet="0123456789$£.,:/%-#&' amp", max_size=30))
+def test_any_text_reads_as_words_within_the_limit(text: str) -> None:
+    words = spoken_words(text, max_letters=8)
+    assert all(w and len(w) <= 8 and not any(c.isspace() for c in w) for w in words), words
+
+
+def test_a_large_text_is_read_off_the_event_loop_and_answers_the_same(server: RunningServer) -> None:
+    """Over 4 KiB of text (THREAD_TEXT_BYTES) is read on a worker thread: the same words, the same answer."""
+    client = g.InferenceServerClient(server.url)
+    shouted = ["Hello" + "!" * 995, "£3.50" + "?" * 995] * 3
+    assert sum(map(len, shouted)) > THREAD_TEXT_BYTES
+    big = client.infer("g2p", [_text(shouted, g.InferInput)], outputs=[g.InferRequestedOutput("PHONEMES")])
+    small = client.infer("g2p", [_text(["hello", "£3.50"] * 3, g.InferInput)])
+    assert _decoded(big, "PHONEMES") == _decoded(small, "PHONEMES")
+    assert [len(p.split(" | ")) for p in _decoded(big, "PHONEMES")] == [1, 4] * 3
