@@ -78,7 +78,7 @@ def test_qkv_infer_health_and_attention(server: RunningServer, tmp_path: Path) -
     assert json.loads(one.stdout)[0]["model_version"] == "1"
     gone = qkv("infer", "--url", server.url, "--model-version", "7", "hello")
     assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr and "version '7'" in gone.stderr
-    bad = qkv("infer", "--url", server.url, "naïve")
+    bad = qkv("infer", "--url", server.url, "h\x1bllo")  # a control character: not text a person writes
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     assert qkv("health", "--url", server.url).stdout.strip() == "SERVING"
     assert qkv("health", "--url", server.url, "--service", "g2p").returncode == 0

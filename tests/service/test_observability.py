@@ -73,7 +73,7 @@ class Load:
                     self.by_length[n] += 1
                 stub.ModelInfer(g2p_request(["hello", "world"]), timeout=30)
                 try:
-                    stub.ModelInfer(g2p_request(["naïve"]), timeout=30)
+                    stub.ModelInfer(g2p_request(["h\x07llo"]), timeout=30)  # a control character: refused
                 except grpc.RpcError:
                     self.sent["invalid"] += 1
                 # and over HTTP, a readiness probe (counted in qkv_http_requests_total, not as inference)

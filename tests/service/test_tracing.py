@@ -185,7 +185,7 @@ def test_a_batch_of_n_requests_is_one_batch_span_linked_from_each_of_the_n(
 def test_a_refused_request_is_traced_with_its_status(traced: RunningServer, collector: Collector) -> None:
     traceparent = new_traceparent()
     with grpc.insecure_channel(traced.url) as ch, pytest.raises(grpc.RpcError) as e:
-        protocol.Stub(ch).ModelInfer(g2p_request(["ätt"]), metadata=[("traceparent", traceparent)])
+        protocol.Stub(ch).ModelInfer(g2p_request(["\x07tt"]), metadata=[("traceparent", traceparent)])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     server, kids = trace_parts(collector, traceparent, 0)
     a = attrs(server)
