@@ -22,6 +22,7 @@ from typing import Any
 
 from service.observability.metrics import UNKNOWN_MODEL
 from service.scheduling.config import BatchingConfig
+from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
 __all__ = [
     "ModelConfig",
@@ -135,6 +136,8 @@ class ModelConfig:
     # dynamic dimension); a version whose graph differs is refused.
     inputs: tuple[dict[str, Any], ...] = ()
     outputs: tuple[dict[str, Any], ...] = ()
+    # Tensor models: Triton's "sequence_batching" (a stateful model, service/scheduling/sequence.py); None: stateless.
+    sequence_batching: SequenceConfig | None = None
 
 
 def _integer(value: Any) -> bool:
@@ -212,12 +215,12 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 # What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
               "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-              "limits")  # fmt: skip
+              "limits", "sequence_batching")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
     "platform", "backend", "runtime", "input", "output", "batch_input", "batch_output", "dynamic_batching",
-    "sequence_batching", "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
+    "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
     "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
     "model_repository_agents", "response_cache",
 })  # fmt: skip
@@ -334,6 +337,12 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         )
     inputs = _tensor_declarations(raw["inputs"], "inputs", at) if "inputs" in raw else ()
     outputs = _tensor_declarations(raw["outputs"], "outputs", at) if "outputs" in raw else ()
+    sequence = None
+    if "sequence_batching" in raw:
+        try:
+            sequence = parse_sequence_batching(raw["sequence_batching"])
+        except SequenceConfigError as e:
+            raise RepositoryError(f"{at}: {e}") from None
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -348,6 +357,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         version_policy=policy,
         inputs=inputs,
         outputs=outputs,
+        sequence_batching=sequence,
         **settings,
     )
 

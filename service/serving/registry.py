@@ -33,6 +33,7 @@ from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
 from service.models.kinds import G2PModel, TensorModel
 from service.models.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.models.stateful import StatefulTensorModel
 from service.observability.metrics import Metrics
 from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
 
@@ -313,7 +314,8 @@ class ModelRegistry:
         if config.kind == "g2p":
             model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, self.providers)), observer)
         else:
-            model = TensorModel(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
+            kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
+            model = kind(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
         try:
             model.warm_up()
         except BaseException:
