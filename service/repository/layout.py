@@ -22,6 +22,7 @@ from typing import Any
 
 from service.observability.metrics import UNKNOWN_MODEL
 from service.scheduling.config import BatchingConfig
+from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
 __all__ = [
     "ModelConfig",
@@ -136,6 +137,8 @@ class ModelConfig:
     inputs: tuple[dict[str, Any], ...] = ()
     outputs: tuple[dict[str, Any], ...] = ()
     response_cache: bool = False  # config.json {"response_cache": {"enable": true}}: answers kept (--cache-size)
+    # Tensor models: Triton's "sequence_batching" (a stateful model, service/scheduling/sequence.py); None: stateless.
+    sequence_batching: SequenceConfig | None = None
 
 
 def _integer(value: Any) -> bool:
@@ -213,12 +216,12 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 # What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
               "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-              "limits", "response_cache")  # fmt: skip
+              "limits", "response_cache", "sequence_batching")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
     "platform", "backend", "runtime", "input", "output", "batch_input", "batch_output", "dynamic_batching",
-    "sequence_batching", "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
+    "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
     "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
     "model_repository_agents",
 })  # fmt: skip
@@ -344,6 +347,12 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     if not isinstance(cached, dict) or set(cached) - {"enable"}:
         raise RepositoryError(f'{at}: response_cache must be {{"enable": true or false}}, got {_shown(cached)}')
     response_cache = _typed_value("bool", cached.get("enable", False), "response_cache.enable", at)
+    sequence = None
+    if "sequence_batching" in raw:
+        try:
+            sequence = parse_sequence_batching(raw["sequence_batching"])
+        except SequenceConfigError as e:
+            raise RepositoryError(f"{at}: {e}") from None
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -359,6 +368,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         inputs=inputs,
         outputs=outputs,
         response_cache=response_cache,
+        sequence_batching=sequence,
         **settings,
     )
 

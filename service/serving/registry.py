@@ -38,6 +38,7 @@ from service.errors import InvalidArgument, NotFound, ServingError, Unavailable,
 from service.models.kinds import G2PModel, TensorModel
 from service.models.response_cache import ResponseCache
 from service.models.runtime import G2PRuntime, TensorRuntime, choose_providers
+from service.models.stateful import StatefulTensorModel
 from service.observability.metrics import Metrics
 from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
 
@@ -393,7 +394,8 @@ class ModelRegistry:
             g2p.cache = self.cache if config.response_cache else None
             model = g2p
         else:
-            model = TensorModel(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
+            kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
+            model = kind(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
         try:
             model.warm_up()
         except BaseException:
