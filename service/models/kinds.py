@@ -26,12 +26,13 @@ from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher
+from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.tuning import CostModel, Tuning, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.observability.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace, Tracing
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 
@@ -160,6 +161,8 @@ def _stack(parts: list[np.ndarray], axis: int | None, longest: int) -> np.ndarra
 
 class TensorModel:
     kind = "tensor"
+    platform = "onnxruntime_onnx"
+    compute_span = "qkv.compute"
 
     def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
         self.config, self.runtime = config, runtime
@@ -212,7 +215,21 @@ class TensorModel:
         self.admission.seed(best_tokens, best_seconds)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
 
-    def start(self) -> None:
+    def batching(self) -> BatchingConfig:
+        return self.batcher.config
+
+    def batching_sources(self) -> dict[str, str]:
+        """Where each tuned setting came from (config.json, or what warm-up measured)."""
+        return dict(self.tuning.reasons) if self.tuning is not None else {}
+
+    def text_words(self, text: str) -> None:
+        return None  # a tensor model takes no text
+
+    def max_text_words(self) -> int:
+        return 0
+
+    def start(self, tracer: Tracing | None = None) -> None:
+        self.batcher.tracer = tracer
         self.batcher.start()
 
     async def close(self) -> None:
@@ -418,6 +435,8 @@ def normalize_word(token: str) -> str:
 
 class G2PModel:
     kind = "g2p"
+    platform = "qkv_g2p"
+    compute_span = "qkv.decode"
     inputs: ClassVar[list[TensorSpec]] = [TensorSpec("TEXT", "BYTES", (-1,), ("batch",))]
     outputs: ClassVar[list[TensorSpec]] = [
         TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
@@ -458,7 +477,21 @@ class G2PModel:
         except Exception as e:  # onnxruntime's own exception types
             raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
 
-    def start(self) -> None:
+    def batching(self) -> BatchingConfig:
+        return self.config.batching
+
+    def batching_sources(self) -> None:
+        return None  # g2p's batching is config.json's, not tuned: not shown
+
+    def text_words(self, text: str) -> list[tuple[str, str]]:
+        """Each token of `text` that holds a word, with the word as `words` reads it."""
+        return [(token, word) for token in text.split() if (word := normalize_word(token))]
+
+    def max_text_words(self) -> int:
+        return self.max_words
+
+    def start(self, tracer: Tracing | None = None) -> None:
+        self.scheduler.tracer = tracer
         self.scheduler.start()
 
     async def close(self) -> None:
