@@ -397,6 +397,22 @@ def test_label_values_of_the_metrics_section(exposition: Exposition) -> None:
     )
 
 
+def test_every_http_endpoint_label_is_documented() -> None:
+    from types import SimpleNamespace
+
+    from service.frontends.rest_api import RestServer
+    from service.frontends.security import BearerTokens
+    from service.observability.metrics import Metrics
+
+    rest = RestServer(SimpleNamespace(), Metrics(enabled=False), SimpleNamespace(), BearerTokens([]), None)  # type: ignore[arg-type]
+    routes = [*rest._model_routes.values(), *rest._server_routes.values(), *rest._repository_routes.values()]
+    rows = table(section(DESIGN, "Metrics"), "label")
+    [cell] = [row[1] for row in rows if row[0] == "`endpoint`"]
+    documented_endpoints = set(codes(cell)) - {"qkv_http_requests_total"}
+    code_endpoints = {r.endpoint for r in routes} | {"unknown"}  # unknown: a path that is no route
+    assert_same(documented_endpoints, code_endpoints, 'docs/design.md, "Metrics" endpoint label', "endpoints")
+
+
 def _status_codes() -> set[str]:
     """Every status the server answers with: the ServingError codes and the ones it aborts with itself."""
     found: set[str] = set()
