@@ -187,23 +187,75 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
         return flat.astype(dtype.newbyteorder("<")).tobytes()
 
 
+def _header_size(body: bytes, header_length: str | None) -> int:
+    """The length of the JSON header: the whole body, or what Inference-Header-Content-Length says."""
+    if header_length is None:
+        return len(body)
+    try:
+        size = int(header_length)
+    except ValueError:
+        raise InvalidArgument(f"Inference-Header-Content-Length {quote(header_length)} is not a number") from None
+    if not 0 <= size <= len(body):
+        raise InvalidArgument(
+            f"Inference-Header-Content-Length is {size}, the body has {len(body)} bytes: it must lie between"
+        )
+    return size
+
+
+def _input(tensor: Any, k: int, view: memoryview, offset: int) -> tuple[InferInput, int]:
+    """inputs[k] of the JSON header, its binary data at `offset` of the body; and the offset after it."""
+    if not isinstance(tensor, dict):
+        raise InvalidArgument(f"inputs[{k}] must be a JSON object")
+    name = _string(tensor.get("name"), f"inputs[{k}].name")
+    datatype = _string(tensor.get("datatype"), f"input {quote(name)}: datatype")
+    shape = _shape(tensor.get("shape"), name)
+    if datatype not in NUMPY_DTYPES:
+        raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
+    tensor_params = tensor.get("parameters", {})
+    if not isinstance(tensor_params, dict):
+        raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
+    binary = tensor_params.get(BINARY_SIZE)
+    if binary is None:
+        if "data" not in tensor:
+            raise InvalidArgument(f"input {quote(name)}: neither data nor parameters.{BINARY_SIZE} given")
+        return InferInput(name, datatype, shape, RawSource(_json_tensor(name, datatype, shape, tensor["data"]))), offset
+    if "data" in tensor:
+        raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
+    if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
+        raise InvalidArgument(f"input {quote(name)}: parameters.{BINARY_SIZE} must be a non-negative integer")
+    if offset + binary > len(view):
+        raise InvalidArgument(
+            f"input {quote(name)}: {binary} binary bytes declared, {len(view) - offset} left in the body"
+        )
+    return InferInput(name, datatype, shape, RawSource(view[offset : offset + binary])), offset + binary
+
+
+def _outputs(outputs: Any, parsed: InferBody) -> list[RequestedOutput]:
+    """The JSON header's outputs, and which of them are asked for in binary."""
+    if not isinstance(outputs, list):
+        raise InvalidArgument("'outputs' must be a list")
+    requested = []
+    for k, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            raise InvalidArgument(f"outputs[{k}] must be a JSON object")
+        name = _string(out.get("name"), f"outputs[{k}].name")
+        out_params = out.get("parameters", {})
+        if not isinstance(out_params, dict):
+            raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
+        plain = {key: v for key, v in out_params.items() if isinstance(v, bool | int | float | str)}
+        requested.append(RequestedOutput(name, plain))
+        if "binary_data" in out_params:
+            parsed.binary_outputs[name] = bool(out_params["binary_data"])
+    return requested
+
+
 def parse_infer(
     body: bytes, header_length: str | None, model: str, version: str, arrived: float | None = None
 ) -> InferBody:
     """A REST inference request (JSON, or JSON + binary tensors) -> the data plane's request. Tensors'
     shapes, sizes and datatypes are checked later, by the data plane, as a gRPC client's are. `arrived`:
     time.monotonic() at its arrival, from which Triton's `timeout` parameter counts."""
-    if header_length is None:
-        size = len(body)
-    else:
-        try:
-            size = int(header_length)
-        except ValueError:
-            raise InvalidArgument(f"Inference-Header-Content-Length {quote(header_length)} is not a number") from None
-        if not 0 <= size <= len(body):
-            raise InvalidArgument(
-                f"Inference-Header-Content-Length is {size}, the body has {len(body)} bytes: it must lie between"
-            )
+    size = _header_size(body, header_length)
     view = memoryview(body)
     doc = parse_json(view[:size], "the inference request")
     request = InferRequest(model_name=model, model_version=version, method="POST /v2/models/{model}/infer")
@@ -218,57 +270,16 @@ def parse_infer(
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
             raise InvalidArgument("parameters: 'timeout' must be a positive integer (microseconds)")
         request.deadline = (arrived if arrived is not None else time.monotonic()) + timeout / 1e6
-    inputs: list[InferInput] = []
-    requested: list[RequestedOutput] = []
-    request.inputs, request.outputs = inputs, requested
     tensors = doc.get("inputs")
     if not isinstance(tensors, list) or not tensors:
         raise InvalidArgument("the inference request must have 'inputs': a list of tensors")
-    offset = size
+    inputs, offset = [], size
     for k, tensor in enumerate(tensors):
-        if not isinstance(tensor, dict):
-            raise InvalidArgument(f"inputs[{k}] must be a JSON object")
-        name = _string(tensor.get("name"), f"inputs[{k}].name")
-        datatype = _string(tensor.get("datatype"), f"input {quote(name)}: datatype")
-        shape = _shape(tensor.get("shape"), name)
-        if datatype not in NUMPY_DTYPES:
-            raise InvalidArgument(f"input {quote(name)}: unknown datatype {quote(datatype)}")
-        tensor_params = tensor.get("parameters", {})
-        if not isinstance(tensor_params, dict):
-            raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
-        binary = tensor_params.get(BINARY_SIZE)
-        if binary is not None:
-            if "data" in tensor:
-                raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
-            if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
-                raise InvalidArgument(f"input {quote(name)}: parameters.{BINARY_SIZE} must be a non-negative integer")
-            if offset + binary > len(body):
-                raise InvalidArgument(
-                    f"input {quote(name)}: {binary} binary bytes declared, {len(body) - offset} left in the body"
-                )
-            inputs.append(InferInput(name, datatype, shape, RawSource(view[offset : offset + binary])))
-            offset += binary
-        elif "data" in tensor:
-            inputs.append(
-                InferInput(name, datatype, shape, RawSource(_json_tensor(name, datatype, shape, tensor["data"])))
-            )
-        else:
-            raise InvalidArgument(f"input {quote(name)}: neither data nor parameters.{BINARY_SIZE} given")
+        tensor_input, offset = _input(tensor, k, view, offset)
+        inputs.append(tensor_input)
     if offset != len(body):
         raise InvalidArgument(f"{len(body) - offset} bytes after the last input's binary data: none may follow")
-    outputs = doc.get("outputs", [])
-    if not isinstance(outputs, list):
-        raise InvalidArgument("'outputs' must be a list")
-    for k, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            raise InvalidArgument(f"outputs[{k}] must be a JSON object")
-        name = _string(out.get("name"), f"outputs[{k}].name")
-        out_params = out.get("parameters", {})
-        if not isinstance(out_params, dict):
-            raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
-        requested.append(RequestedOutput(name, parameters(out_params, f"output {quote(name)}: parameters")))
-        if "binary_data" in out_params:
-            parsed.binary_outputs[name] = bool(out_params["binary_data"])
+    request.inputs, request.outputs = inputs, _outputs(doc.get("outputs", []), parsed)
     return parsed
 
 
