@@ -1,8 +1,9 @@
-"""The gRPC server: the v2 inference service, health, reflection, metrics, drain.
+"""The server assembled and run: the data plane, its gRPC (and HTTP/REST) front ends, health, reflection,
+metrics, drain.
 
-Each RPC method decodes the protobuf request, awaits the protocol-free model (service/models/kinds.py)
-and encodes the answer. Models are loaded before the port opens; a model that fails to load
-stops the start. Who may call it (TLS, bearer tokens) is service/frontends/security.py.
+The front ends (service/frontends/grpc_api.py, rest_api.py) decode, await the one data plane
+(service/serving/dataplane.py) and encode. Models are loaded before the port opens; a model that fails
+to load stops the start. Who may call it (TLS, bearer tokens) is service/frontends/security.py.
 """
 
 from __future__ import annotations
@@ -10,52 +11,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import inspect
-import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from functools import partial
-from ipaddress import ip_address
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import __version__, priority, protocol
 from service.config import ServerSettings
-from service.datatypes import encode_bytes
-from service.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ServingError,
-    Unavailable,
-    clip,
-    quote,
-)
-from service.frontends.codec import decode_tensor, element_count, fill_output
+from service.frontends.grpc_api import InferenceService
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
-from service.models.classification import classify
-from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
+from service.models.kinds import Result
 from service.models.response_cache import ResponseCache
-from service.models.response_cache import key as cache_key
 from service.observability import logs
-from service.observability.metrics import UNKNOWN_MODEL, CacheMetrics, Metrics, seq_len_bucket
-from service.repository.layout import RepositoryError, parse_config
-from service.serving.registry import (
-    BATCHING_SHOWN,
-    READY,
-    UNAVAILABLE,
-    Model,
-    ModelRegistry,
-    one_malloc_arena,
-    return_freed_memory,
-)
+from service.observability.metrics import CacheMetrics, Metrics
+from service.repository.layout import RepositoryError
+from service.serving.dataplane import DataPlane
+from service.serving.registry import ModelRegistry, one_malloc_arena, return_freed_memory
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
@@ -65,10 +41,6 @@ __all__ = ["Server", "serve"]
 log = logging.getLogger("qkv.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-MAX_PARAMETERS = 64  # a request's parameters, at most (qkv reads a handful; HTTP adds a few of Triton's)
-# A request with more input elements than this is decoded on a worker thread, so that the event loop
-# answers others (and health checks) meanwhile; smaller ones cost less than the thread hop.
-THREAD_ELEMENTS = 1 << 14
 # After a large or refused request, once its message is freed, the heap's free pages go back to the
 # system: a parsed message of millions of small fields leaves its memory scattered through the heap,
 # which glibc would otherwise keep. When the message is freed is not seen (the transport holds it until the
@@ -78,23 +50,9 @@ TRIM_DELAY_S = 0.2
 TRIM_INTERVAL_S = 1.0
 TRIM_BACKOFF = 4.0
 TRIM_TIMES = 4  # the last some 13 s after the request
-LARGE_FIELDS = 64  # a request with more entries than this in its repeated fields is large
 SWITCH_INTERVAL_S = 0.0005
-STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
-_END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 QUIET_SECONDS = 0.3  # drain: no new request for this long before the transport stops
 CLOSE_FLOOR_S = 1.0  # drain: what versions get to stop their threads, even when the grace period is spent
-MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
-
-
-def _loopback(host: str) -> bool:
-    """Whether the server listens on loopback only."""
-    if host == "localhost":
-        return True
-    try:
-        return ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _tracing(settings: ServerSettings) -> Tracing | None:
@@ -105,488 +63,6 @@ def _tracing(settings: ServerSettings) -> Tracing | None:
 
     ratio = settings.trace_sample_ratio if settings.trace_sample_ratio >= 0 else None
     return Tracing(ratio, settings.tracing_exporter, settings.tracing_file)
-
-
-def _parameters(params: Any) -> dict[str, Any]:
-    out = {}
-    for key, p in params.items():
-        which = p.WhichOneof("parameter_choice")
-        if which is not None:
-            out[key] = getattr(p, which)
-    return out
-
-
-def _duration(count: int, ns: int) -> Any:
-    return protocol.StatisticDuration(count=count, ns=ns)
-
-
-class InferenceService:
-    """inference.GRPCInferenceService over the loaded models."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.registry = server.registry
-
-    def _model(self, name: str, version: str = "") -> Model:
-        return self.registry.get(name, version)
-
-    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return protocol.ServerLiveResponse(live=True)
-
-    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return protocol.ServerReadyResponse(ready=not self.server.draining)
-
-    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            self._model(request.name, request.version)
-        except ServingError:
-            return protocol.ModelReadyResponse(ready=False)
-        return protocol.ModelReadyResponse(ready=not self.server.draining)
-
-    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return protocol.ServerMetadataResponse(
-            name="qkv",
-            version=__version__,
-            extensions=["classification", "model_configuration", "statistics", "model_repository"],
-        )
-
-    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        m = await self._call(context, self._model, request.name, request.version)
-        tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
-        return protocol.ModelMetadataResponse(
-            name=m.name,
-            versions=[v.version for v in self.registry.versions(m.name)],
-            platform=f"onnxruntime_onnx:{m.provider}" if m.kind == "tensor" else f"qkv_g2p:{m.provider}",
-            inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.inputs],
-            outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.outputs],
-        )
-
-    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        m = await self._call(context, self._model, request.name, request.version)
-        batched = m.max_batch_size > 0
-        declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
-        types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
-        types["BYTES"] = int(protocol.DataType.TYPE_STRING)
-        b = m.batcher.config if isinstance(m, TensorModel) else m.config.batching
-        config = protocol.ModelConfig(
-            name=m.name,
-            platform="onnxruntime_onnx",
-            backend="onnxruntime",
-            max_batch_size=m.max_batch_size,
-            input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.inputs],
-            output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.outputs],
-            instance_group=[
-                protocol.ModelInstanceGroup(
-                    name=m.name,
-                    count=max(1, m.config.instances),
-                    kind=protocol.ModelInstanceGroup.KIND_GPU
-                    if "CUDA" in m.provider
-                    else protocol.ModelInstanceGroup.KIND_CPU,
-                )
-            ],
-        )
-        if batched and b.enabled:
-            config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
-        config.parameters["provider"].string_value = m.provider
-        config.parameters["kind"].string_value = m.kind
-        if isinstance(m, G2PModel):  # the version of the rules that read text into words
-            config.parameters["text_normalization"].string_value = m.text_rules
-        if isinstance(m, TensorModel):  # the batching in force, and where each value came from
-            reasons = m.tuning.reasons if m.tuning is not None else {}
-            for key in BATCHING_SHOWN:
-                config.parameters[f"batching.{key}"].string_value = f"{getattr(b, key):g}"
-                if key in reasons:
-                    config.parameters[f"batching.{key}.source"].string_value = reasons[key]
-        return protocol.ModelConfigResponse(config=config)
-
-    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.version:
-            chosen = [await self._call(context, self._model, request.name, request.version)]
-        elif request.name:
-            chosen = await self._call(context, self.registry.versions, request.name)
-        else:
-            chosen = self.registry.served()
-        response = protocol.ModelStatisticsResponse()
-        for m in chosen:
-            s: ModelStats = m.stats.snapshot()
-            stats = response.model_stats.add(
-                name=m.name,
-                version=m.version,
-                last_inference=s.last_inference_ms,
-                inference_count=s.inference_count,
-                execution_count=s.execution_count,
-            )
-            i = stats.inference_stats
-            i.success.CopyFrom(_duration(s.success_count, s.success_ns))
-            i.fail.CopyFrom(_duration(s.fail_count, s.fail_ns))
-            i.queue.CopyFrom(_duration(s.success_count, s.queue_ns))
-            # Per request, as Triton counts them (perf_analyzer needs the three compute counts equal).
-            i.compute_input.CopyFrom(_duration(s.success_count, 0))
-            i.compute_infer.CopyFrom(_duration(s.success_count, s.request_compute_ns))
-            i.compute_output.CopyFrom(_duration(s.success_count, 0))
-            if self.server.cache is not None and m.config.response_cache:
-                c = self.server.cache.counts(m.name, m.version)
-                i.cache_hit.CopyFrom(_duration(c.hits, 0))
-                i.cache_miss.CopyFrom(_duration(c.misses, 0))
-            for size, (count, ns) in sorted(s.batches.items()):
-                stats.batch_stats.add(batch_size=size, compute_infer=_duration(count, ns))
-        return response
-
-    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        response = protocol.RepositoryIndexResponse()
-        for row in self.registry.index(ready_only=request.ready):
-            state = UNAVAILABLE if self.server.draining and row.state == READY else row.state
-            response.models.add(name=row.name, version=row.version, state=state, reason=row.reason)
-        return response
-
-    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._call(context, self._load, request)
-        return protocol.RepositoryModelLoadResponse()
-
-    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._call(context, self._unload, request)
-        return protocol.RepositoryModelUnloadResponse()
-
-    async def _load(self, request: Any) -> None:
-        self._may_change_repository(request.repository_name)
-        raw = None
-        for key, value in _parameters(request.parameters).items():
-            if key != "config":
-                raise InvalidArgument(
-                    f"load parameter {quote(key)} is not supported: qkv loads model files from its repository; "
-                    "'config' (a config.json as a string) is the one parameter"
-                )
-            try:
-                raw = parse_config(value)  # bounded in size and depth: no RecursionError
-            except (TypeError, ValueError) as e:
-                raise InvalidArgument(
-                    f"failed to load {quote(request.model_name)}: load parameter 'config' is not JSON: {e}"
-                ) from None
-            if not isinstance(raw, dict):
-                raise InvalidArgument(
-                    f"failed to load {quote(request.model_name)}: load parameter 'config' must be a JSON object, "
-                    f"got {type(raw).__name__}"
-                )
-        await self.registry.load(request.model_name, raw)
-
-    async def _unload(self, request: Any) -> None:
-        self._may_change_repository(request.repository_name)
-        await self.registry.unload(request.model_name)
-
-    def _may_change_repository(self, repository: str) -> None:
-        """Load and unload: only with model control on, and, without an admin token, only from loopback
-        (docs/security.md)."""
-        s = self.server.settings
-        if self.server.draining:
-            raise Unavailable("the server is shutting down")
-        if repository:
-            raise InvalidArgument(f"unknown repository {quote(repository)}: qkv serves one, named ''")
-        if s.model_control_mode == "none":
-            raise FailedPrecondition(
-                "model control is off: start the server with --model-control-mode explicit (or poll) to load and "
-                "unload models"
-            )
-        if not s.admin_token_file and not _loopback(s.host):
-            raise PermissionDenied(
-                f"loading and unloading models needs --admin-token-file when the server listens on {s.host}, "
-                "beyond loopback"
-            )
-
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (awaited when it is a coroutine function), a ServingError answered as its status."""
-        try:
-            result = fn(*args)
-            return await result if inspect.isawaitable(result) else result
-        except ServingError as e:
-            await context.abort(grpc.StatusCode[e.code], e.message)
-
-    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        carrier = context.invocation_metadata() if self.server.tracing is not None else None
-        outcome = await self._answer(request, context.time_remaining(), carrier)
-        if isinstance(outcome, ServingError):
-            if outcome.retry_after_ms is not None:
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(outcome.retry_after_ms)),))
-            # abort, not set_code and return: returning made grpc log a traceback (ExecuteBatchError)
-            # for a call whose client had already gone (seen once in the fuzz test).
-            await context.abort(grpc.StatusCode[outcome.code], outcome.message)
-        return outcome
-
-    async def ModelStreamInfer(
-        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
-        (so they batch together), and is answered as soon as it is done: a failure as error_message, and
-        the stream goes on. The stream's deadline bounds every request on it; when the client goes, the
-        requests still queued leave their queues."""
-        answers: asyncio.Queue[Any] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-        # Requests read but not yet answered to the client: a client that stops reading stops being read.
-        window = asyncio.Semaphore(STREAM_WINDOW)
-        carrier = context.invocation_metadata() if self.server.tracing is not None else None
-
-        async def answer(request: Any) -> None:
-            outcome = await self._answer(request, context.time_remaining(), carrier, "ModelStreamInfer")
-            if isinstance(outcome, ServingError):
-                hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
-                # The request's id and model come back too, so a client can tell which request failed.
-                named = protocol.ModelInferResponse(
-                    model_name=request.model_name[:MAX_ID_CHARS], id=request.id[:MAX_ID_CHARS]
-                )
-                answers.put_nowait(
-                    protocol.ModelStreamInferResponse(
-                        error_message=f"{outcome.code}: {outcome.message}{hint}", infer_response=named
-                    )
-                )
-            else:
-                answers.put_nowait(protocol.ModelStreamInferResponse(infer_response=outcome))
-
-        async def read() -> str | None:
-            """Start each request as it arrives; when the client is done sending, finish what it sent.
-            Returns why the stream broke off (a message that is not a ModelInferRequest), or None."""
-            broken = None
-            try:
-                async for request in requests:
-                    if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
-                        broken = f"a message on the stream: {request.reason}"
-                        break
-                    await window.acquire()
-                    task = asyncio.create_task(answer(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                await asyncio.gather(*running)
-                return broken
-            finally:
-                answers.put_nowait(_END_OF_STREAM)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (reply := await answers.get()) is not _END_OF_STREAM:
-                yield reply
-                window.release()
-            broken = await reader
-            if broken:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, broken)
-        finally:
-            for task in [reader, *running]:
-                task.cancel()
-
-    async def _answer(
-        self, request: Any, remaining: float | None, carrier: Any = None, method: str = "ModelInfer"
-    ) -> Any:
-        """One inference request from start to finish, counted in the metrics and statistics (and traced,
-        when the server traces): its ModelInferResponse, or the ServingError to answer it with.
-        `remaining`: seconds to its deadline; `carrier`: the call's metadata (or HTTP headers), read only
-        for a W3C trace context; `method`: the RPC's name in the trace."""
-        start = time.perf_counter()
-        model_name, code, seq_len, outcome = request.model_name, "OK", 0, None
-        server = self.server
-        tracing = server.tracing
-        trace = tracing.start(carrier, method) if tracing is not None else None
-        server.last_arrival = time.monotonic()
-        metrics = server.metrics
-        model: Model | None = None
-        try:
-            if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
-                raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
-            model = self._model(request.model_name, request.model_version)
-            model.in_flight.enter()  # a leaving version is freed, and its series go, once none is held
-            metrics.inflight.labels(model.name, model.version).inc()
-            if server.draining:
-                raise Unavailable("the server is shutting down")
-            server.active += 1
-            try:
-                deadline = time.monotonic() + remaining if remaining is not None else None
-                # What any request would be refused now is refused before its tensors are decoded:
-                # under overload, refusing is most of the work and must stay cheap.
-                model.admission.check(0, deadline)
-                _check_counts(request, model)
-                inputs = await self._decode(request, model)
-                outputs = [o.name for o in request.outputs]
-                params = _parameters(request.parameters)
-                infer = partial(model.infer, inputs, outputs, params, deadline, trace)
-                cache = server.cache
-                if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
-                    k = _cache_key(model, inputs, outputs, params)
-                    result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
-                else:
-                    result = await infer()
-            finally:
-                server.active -= 1
-            seq_len = result.seq_len
-            metrics.tokens.labels(model.name, model.version, "input").inc(result.tokens_in)
-            metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
-            response = protocol.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
-            for name, array in _classified(request, model, result.outputs).items():
-                response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
-            outcome = response
-        except ServingError as e:
-            code = e.code
-            # Without its traceback (and the exception it replaced): the traceback's frames hold this one,
-            # whose `outcome` holds the error, a cycle that kept the request's message (up to
-            # --max-message-bytes) alive until a full garbage collection.
-            e.__context__ = e.__cause__ = None
-            outcome = e.with_traceback(None)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        finally:
-            seconds = time.perf_counter() - start
-            label, version = UNKNOWN_MODEL, ""
-            if model is not None:
-                label, version = model.name, model.version
-                metrics.inflight.labels(model.name, model.version).dec()
-                model_name = model.name
-                model.stats.answered(code == "OK", int(seconds * 1e9))
-            elif request.model_name in self.registry.models:  # a model of the repository: its version unknown
-                label = request.model_name
-            metrics.requests.labels(label, version, code).inc()
-            if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
-                exemplar = trace.exemplar if trace is not None else None
-                metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds, exemplar)
-            if tracing is not None and trace is not None:
-                tracing.finish(trace, code, outcome, model, seq_len)
-            if server.settings.access_log:  # one JSON line, whatever the client's strings hold
-                line = {"model": clip(model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
-                logs.access.info(json.dumps(line | {"id": clip(request.id)}))
-            if model is not None:
-                model.in_flight.leave()
-            if code == "INVALID_ARGUMENT" or _large(request):
-                server.return_memory_later()
-        return outcome
-
-    async def _decode(self, request: Any, model: Model) -> dict[str, np.ndarray]:
-        """The request's input tensors as arrays (counts checked by `_check_counts`). A large request is
-        decoded on a worker thread, a slice at a time, while the event loop goes on answering others."""
-        if sum(element_count(t) for t in request.inputs) > THREAD_ELEMENTS:
-            return await asyncio.to_thread(_decode_inputs, request, model)
-        return _decode_inputs(request, model)
-
-
-def _misnamed(names: Any, known: list[str], what: str, model: Model) -> str:
-    """Why a repeated field of `names` longer than `known` is refused: among its first len(known) + 1
-    entries, one is unknown or named twice (only those are read, however many the request holds)."""
-    seen: set[str] = set()
-    for k in range(len(known) + 1):
-        name = names[k].name
-        if name not in known:
-            return f"model '{model.name}' has no {what} {quote(name)} ({what}s: {', '.join(sorted(known))})"
-        if name in seen:
-            return f"{what} {quote(name)} given twice"
-        seen.add(name)
-    return ""  # unreachable: len(known) + 1 names among len(known)
-
-
-def _triton_dims(shape: Any, batched: bool) -> list[int]:
-    """A shape as Triton's ModelConfig writes it: without the batch axis when there is one."""
-    return list(shape[1:]) or [1] if batched else list(shape)
-
-
-def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
-    """An input as Triton's ModelConfig shows it, with config.json's format and reshape."""
-    i = protocol.ModelInput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
-    if "format" in declared:
-        i.format = protocol.ModelInput.Format.Value(declared["format"])
-    if "reshape" in declared:
-        i.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
-    return i
-
-
-def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
-    """An output as Triton's ModelConfig shows it, with config.json's reshape and labels file."""
-    o = protocol.ModelOutput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
-    if "reshape" in declared:
-        o.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
-    if "labels" in declared:
-        o.label_filename = declared["label_filename"]
-    return o
-
-
-# Request parameters that change how an answer travels or when, never what it is: left out of cache keys.
-TRANSPORT_PARAMETERS = frozenset({"timeout", "priority", "binary_data_output", "triton_enable_empty_final_response"})
-
-
-def _cache_key(model: Model, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any]) -> bytes:
-    """All that determines an answer: the model version, each input's name, datatype, shape and bytes, the
-    outputs asked for, and the parameters that matter."""
-    # id(model): a version reloaded in place is another object, and never answers from its predecessor's entries
-    # (which go when the predecessor is freed, after its last request)
-    parts: list[bytes | str | int] = [model.name, model.version, id(model), len(inputs)]
-    for name in sorted(inputs):
-        a = inputs[name]
-        data = encode_bytes(a) if a.dtype == np.object_ else np.ascontiguousarray(a).tobytes()
-        parts += [name, a.dtype.str, repr(a.shape), data]
-    parts += [len(outputs), *sorted(outputs)]
-    kept = sorted((k, repr(v)) for k, v in params.items() if k not in TRANSPORT_PARAMETERS)
-    parts += [len(kept), *(x for kv in kept for x in kv)]
-    return cache_key(parts)
-
-
-def _result_bytes(result: Result) -> int:
-    """What an answer holds in memory, for the cache's bound."""
-    total = 0
-    for a in result.outputs.values():
-        total += a.nbytes + (sum(len(x) for x in a.reshape(-1)) if a.dtype == np.object_ else 0)
-    return total
-
-
-def _classified(request: Any, model: Model, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES)."""
-    counts = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
-    if not counts:
-        return outputs
-    labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
-    batched = isinstance(model, TensorModel) and model.batchable
-    out = dict(outputs)
-    for name, parameter in counts.items():
-        if parameter.WhichOneof("parameter_choice") != "int64_param":
-            raise InvalidArgument(f"output {quote(name)}: classification must be an integer class count")
-        out[name] = classify(outputs[name], parameter.int64_param, labels.get(name, ()), batched, name)
-    return out
-
-
-def _large(request: Any) -> bool:
-    """Whether a request's message held many fields or elements (len() alone, for the fields)."""
-    fields = len(request.inputs) + len(request.outputs) + len(request.raw_input_contents) + len(request.parameters)
-    return fields > LARGE_FIELDS or sum(element_count(t) for t in request.inputs) > THREAD_ELEMENTS
-
-
-def _check_counts(request: Any, model: Model) -> None:
-    """Every repeated field of the request checked against its limit on the message as received (its
-    length, which builds nothing), before any of it becomes Python objects."""
-    inputs = [s.name for s in model.inputs]
-    if len(request.inputs) > len(inputs):
-        raise InvalidArgument(
-            f"{len(request.inputs)} inputs, model '{model.name}' takes {len(inputs)}: "
-            f"{_misnamed(request.inputs, inputs, 'input', model)}"
-        )
-    raw = len(request.raw_input_contents)
-    if raw and raw != len(request.inputs):
-        raise InvalidArgument(f"{raw} raw_input_contents for {len(request.inputs)} inputs: give one per input")
-    outputs = [s.name for s in model.outputs]
-    if len(request.outputs) > len(outputs):
-        raise InvalidArgument(
-            f"{len(request.outputs)} outputs requested, model '{model.name}' has {len(outputs)}: "
-            f"{_misnamed(request.outputs, outputs, 'output', model)}"
-        )
-    if len(request.parameters) > MAX_PARAMETERS:
-        raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS}")
-
-
-def _decode_inputs(request: Any, model: Model) -> dict[str, np.ndarray]:
-    raw = request.raw_input_contents
-    known = {s.name for s in model.inputs}
-    inputs: dict[str, np.ndarray] = {}
-    for k, tensor in enumerate(request.inputs):
-        name = tensor.name
-        if name in inputs:
-            raise InvalidArgument(f"input {quote(name)} given twice")
-        if name not in known:  # refused before its contents are decoded
-            raise InvalidArgument(
-                f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
-            )
-        contents = partial(raw.__getitem__, k) if len(raw) else None  # read once the shape passed its limits
-        inputs[name] = decode_tensor(tensor, contents, model.input_limits(name))
-    return inputs
 
 
 class Server:
@@ -604,9 +80,9 @@ class Server:
         if settings.cache_size > 0:
             self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics))
         self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing, self.cache)
-        self.draining = False
-        self.active = 0  # requests inside a model right now
-        self.last_arrival = 0.0  # monotonic time of the latest inference request
+        self.plane = DataPlane(
+            self.registry, self.metrics, settings, self.tracing, self.return_memory_later, self.cache
+        )
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -636,6 +112,10 @@ class Server:
             ]
         return options
 
+    @property
+    def draining(self) -> bool:
+        return self.plane.draining
+
     async def _model_changed(self, name: str, ready: bool) -> None:
         if not self.draining:
             status = health_pb2.HealthCheckResponse
@@ -647,8 +127,7 @@ class Server:
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
-        service = InferenceService(self)  # one data plane: the HTTP/REST front end calls the same service
-        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
+        server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self.plane)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
@@ -669,7 +148,7 @@ class Server:
         if s.http_port >= 0:
             from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 
-            self._http = RestServer(service, self.metrics, s, self._tokens, ssl_context(s))
+            self._http = RestServer(self.plane, self.metrics, s, self._tokens, ssl_context(s))
             self.http_port = self._http.bind(s.host, s.http_port)
         await self.registry.start()  # the ports are bound (one in use stops the start), not yet serving
         await server.start()
@@ -701,14 +180,15 @@ class Server:
 
     async def drain(self) -> None:
         """Stop taking work, let admitted requests finish (up to the grace period), stop."""
-        if self.draining:
+        plane = self.plane
+        if plane.draining:
             return
-        self.draining = True
+        plane.draining = True
         await self.health.enter_graceful_shutdown()  # every service reports NOT_SERVING at once
         deadline = time.monotonic() + self.settings.grace_period
         await self._settle(deadline)
-        if self.active:
-            log.warning("grace period over with %d requests still running", self.active)
+        if plane.active:
+            log.warning("grace period over with %d requests still running", plane.active)
         if self._grpc is not None:
             await self._grpc.stop(max(0.0, deadline - time.monotonic()))
         if self._http is not None:
@@ -729,7 +209,7 @@ class Server:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.gather(*busy), left)
                 continue
-            quiet = self.last_arrival + QUIET_SECONDS - time.monotonic()
+            quiet = self.plane.last_arrival + QUIET_SECONDS - time.monotonic()
             if quiet <= 0:
                 return
             await asyncio.sleep(min(quiet, left))  # to the end of the quiet period, then look again

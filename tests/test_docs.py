@@ -28,6 +28,7 @@ import pytest
 from service import cli, errors, protocol
 from service.client import PUSHBACK, Client, g2p_request
 from service.config import ServerSettings, add_arguments, from_arguments
+from service.frontends.statuses import HTTP_STATUS, grpc_status, http_status
 from service.observability.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
 from service.repository import layout as repository
 from service.repository.layout import ModelConfig
@@ -412,6 +413,22 @@ def test_label_values_of_the_metrics_section(exposition: Exposition) -> None:
     )
 
 
+def test_every_http_endpoint_label_is_documented() -> None:
+    from types import SimpleNamespace
+
+    from service.frontends.rest_api import RestServer
+    from service.frontends.security import BearerTokens
+    from service.observability.metrics import Metrics
+
+    rest = RestServer(SimpleNamespace(), Metrics(enabled=False), SimpleNamespace(), BearerTokens([]), None)  # type: ignore[arg-type]
+    routes = [*rest._model_routes.values(), *rest._server_routes.values(), *rest._repository_routes.values()]
+    rows = table(section(DESIGN, "Metrics"), "label")
+    [cell] = [row[1] for row in rows if row[0] == "`endpoint`"]
+    documented_endpoints = set(codes(cell)) - {"qkv_http_requests_total"}
+    code_endpoints = {r.endpoint for r in routes} | {"unknown"}  # unknown: a path that is no route
+    assert_same(documented_endpoints, code_endpoints, 'docs/design.md, "Metrics" endpoint label', "endpoints")
+
+
 def _status_codes() -> set[str]:
     """Every status the server answers with: the ServingError codes and the ones it aborts with itself."""
     found: set[str] = set()
@@ -420,7 +437,7 @@ def _status_codes() -> set[str]:
         cls = pending.pop()
         found.add(cls.code)
         pending += cls.__subclasses__()
-    for path in ("server.py", "frontends/security.py", "protocol/__init__.py"):
+    for path in ("frontends/grpc_api.py", "frontends/security.py", "protocol/__init__.py"):
         found |= set(re.findall(r"grpc\.StatusCode\.([A-Z_]+)", (ROOT / "service" / path).read_text()))
     return found
 
@@ -431,6 +448,26 @@ def test_every_status_is_documented_with_the_message_bounds() -> None:
     assert_same(statuses, _status_codes(), 'docs/design.md, "Errors"', "statuses")
     for fact in (PUSHBACK, f"{errors.QUOTE_CHARS} characters", f"{errors.MAX_MESSAGE_BYTES:,} bytes"):
         assert fact in text, f'docs/design.md, "Errors" should say {fact!r}'
+
+
+def test_every_grpc_status_has_its_http_status_as_documented() -> None:
+    """docs/design.md's "HTTP/REST" table against HTTP_STATUS, both ways, and every gRPC status in both: none
+    falls back to a default; each error the data plane raises is answered with its row's status."""
+    rows = table(section(DESIGN, "HTTP/REST"), "gRPC status")
+    documented_statuses = {codes(row[0])[0]: int(row[1][:3]) for row in rows}
+    every = {c.name for c in grpc.StatusCode}
+    where = 'docs/design.md, "HTTP/REST"'
+    assert_same(set(documented_statuses), every, where, "gRPC statuses")
+    assert_same(set(HTTP_STATUS), every, "service/frontends/statuses.py HTTP_STATUS", "gRPC statuses")
+    wrong = {
+        code: (status, HTTP_STATUS[code]) for code, status in documented_statuses.items() if HTTP_STATUS[code] != status
+    }
+    assert not wrong, f"{where} documents these statuses otherwise than the code (documented, code): {wrong}"
+    for code in _status_codes():  # every status the server answers with, on gRPC and on REST
+        assert grpc.StatusCode[code].name == code
+    for cls in [errors.ServingError, *errors.ServingError.__subclasses__()]:  # each error of service/errors.py
+        assert http_status(cls("m")) == HTTP_STATUS[cls.code] and grpc_status(cls("m")).name == cls.code
+    assert HTTP_STATUS["FAILED_PRECONDITION"] == 400 and HTTP_STATUS["PERMISSION_DENIED"] == 403
 
 
 def test_every_rpc_is_documented() -> None:

@@ -1,5 +1,8 @@
 """Protocol tensors <-> numpy: typed contents, raw contents, and the answer's outputs.
 
+The data plane reads an input through a `TensorSource` (service/serving/dataplane_types.py): a gRPC
+message's tensor is a `MessageSource`, REST's raw or JSON data a `RawSource`.
+
 The v2 protocol carries a tensor either in typed `contents` (one repeated field per type) or
 as little-endian bytes in `raw_input_contents` (BYTES in the length-prefixed form of
 service/datatypes.py). The datatypes themselves and the bounds on one tensor are service/datatypes.py.
@@ -7,24 +10,23 @@ service/datatypes.py). The datatypes themselves and the bounds on one tensor are
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from service.datatypes import (
-    MAX_BYTES_ELEMENTS,
-    MAX_DIMS,
     NUMPY_DTYPES,
     InputLimits,
-    check_datatype,
     datatype_of,
     decode_bytes,
     encode_bytes,
 )
 from service.errors import InvalidArgument, quote
+from service.serving.dataplane_types import checked_shape
 
-__all__ = ["CONTENTS_FIELD", "decode_tensor", "element_count", "fill_output"]
+__all__ = ["CONTENTS_FIELD", "MessageSource", "RawSource", "fill_output", "output_bytes", "raw_array"]
 
 # The typed-contents field that carries each datatype (smaller ints travel widened).
 CONTENTS_FIELD = {
@@ -48,17 +50,6 @@ _NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np
 CONTENTS_SLICE = 1 << 16
 
 
-def element_count(tensor: Any) -> int:
-    """The elements an InferInputTensor's shape declares, counted without building the shape (0 when
-    the shape is invalid: decode_tensor says why)."""
-    if len(tensor.shape) > MAX_DIMS:
-        return 0
-    count = 1
-    for d in tensor.shape:
-        count *= max(int(d), 0)
-    return count
-
-
 def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
     """A repeated protobuf field of numbers -> a 1-d array, CONTENTS_SLICE values at a time."""
     if count <= CONTENTS_SLICE:
@@ -69,49 +60,60 @@ def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
     return out
 
 
-def decode_tensor(tensor: Any, raw_contents: Callable[[], bytes] | None, limits: InputLimits) -> np.ndarray:
-    """One InferInputTensor (and its raw contents, if any) -> numpy array of its declared shape.
-    Every count is checked against `limits` before the elements are touched; `raw_contents` gives the
-    raw contents (a copy, out of the message), asked for only then."""
-    name, datatype = tensor.name, tensor.datatype
-    check_datatype(name, datatype)
-    if len(tensor.shape) > MAX_DIMS:  # counted before the shape becomes Python ints
-        raise InvalidArgument(f"input {quote(name)}: shape has {len(tensor.shape)} dimensions, the limit is {MAX_DIMS}")
-    shape = tuple(int(d) for d in tensor.shape)
-    max_elements = limits.elements
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"input {quote(name)}: negative dimension in shape {list(shape)}")
-    # Checked before anything is allocated; zeros aside, so [0, 2**62] is refused too (numpy could not hold it).
-    count, extent = 1, 1
-    for d in shape:
-        count *= d
-        extent *= max(d, 1)
-        if extent > max_elements:
-            aside = " (zero dimensions aside)" if 0 in shape else ""
-            unit = "BYTES elements" if datatype == "BYTES" else "elements"
-            why = f": {limits.why}" if limits.why else ""
-            raise InvalidArgument(
-                f"input {quote(name)}: shape {list(shape)} exceeds the limit of {max_elements} {unit}{aside}{why}"
-            )
-    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
-        # Decoding BYTES is a Python loop per element: bound it before it can hold the event loop.
-        raise InvalidArgument(f"input {quote(name)}: {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
-    if raw_contents is not None:
-        if tensor.HasField("contents"):
-            raise InvalidArgument(
-                f"contents field must not be specified when using raw_input_contents for {quote(name)}: "
-                "both typed contents and raw_input_contents given"
-            )
-        raw = raw_contents()
-        if datatype == "BYTES":
-            return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)
-        dtype = np.dtype(NUMPY_DTYPES[datatype]).newbyteorder("<")
-        if len(raw) != count * dtype.itemsize:
-            raise InvalidArgument(
-                f"input {quote(name)}: raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
-                f"{count * dtype.itemsize}"
-            )
-        return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+def raw_array(
+    name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes, limits: InputLimits
+) -> np.ndarray:
+    """A tensor's little-endian bytes (BYTES: length-prefixed) -> an array of its checked `shape`."""
+    if datatype == "BYTES":
+        return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)
+    dtype = np.dtype(NUMPY_DTYPES[datatype]).newbyteorder("<")
+    if len(raw) != count * dtype.itemsize:
+        raise InvalidArgument(
+            f"input {quote(name)}: raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
+            f"{count * dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """An input's elements as the protocol's raw bytes: REST's binary data, or its JSON data converted."""
+
+    raw: bytes | memoryview
+
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        checked, count = checked_shape(name, datatype, shape, limits)
+        return raw_array(name, datatype, checked, count, bytes(self.raw), limits)
+
+
+@dataclass(frozen=True)
+class MessageSource:
+    """An InferInputTensor of a gRPC message: its typed contents, or its raw contents (`raw` gives a copy
+    out of the message, asked for only once the shape passed its limits). `refused`: why its raw contents
+    cannot be matched to it (the message's counts disagree)."""
+
+    tensor: Any  # protocol.InferInputTensor
+    raw: Callable[[], bytes] | None
+    refused: str = ""
+
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        if self.refused:
+            raise InvalidArgument(self.refused)
+        checked, count = checked_shape(name, datatype, shape, limits)
+        if self.raw is not None:
+            if self.tensor.HasField("contents"):
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for {quote(name)}: "
+                    "both typed contents and raw_input_contents given"
+                )
+            return raw_array(name, datatype, checked, count, self.raw(), limits)
+        return _contents_array(self.tensor, name, datatype, checked, count, limits)
+
+
+def _contents_array(
+    tensor: Any, name: str, datatype: str, shape: tuple[int, ...], count: int, limits: InputLimits
+) -> np.ndarray:
+    """An InferInputTensor's typed contents -> an array of its checked `shape`."""
     field = CONTENTS_FIELD.get(datatype)
     if field is None:
         raise InvalidArgument(f"input {quote(name)}: {datatype} travels only in raw_input_contents")
@@ -142,10 +144,15 @@ def decode_tensor(tensor: Any, raw_contents: Callable[[], bytes] | None, limits:
     return _typed(values, dtype, count).reshape(shape)
 
 
+def output_bytes(array: np.ndarray) -> bytes:
+    """An output's elements as the protocol carries them: little-endian, BYTES length-prefixed."""
+    if datatype_of(array) == "BYTES":
+        return encode_bytes(array)
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
 def fill_output(tensor: Any, array: np.ndarray) -> bytes:
     """Set name-independent metadata of an output tensor; return its raw little-endian bytes."""
     tensor.datatype = datatype_of(array)
     tensor.shape.extend(array.shape)
-    if tensor.datatype == "BYTES":
-        return encode_bytes(array)
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return output_bytes(array)

@@ -1,7 +1,7 @@
 """The v2 REST protocol on --http-port, beside gRPC on the same event loop (docs/design.md, "HTTP/REST").
 
-One data plane: each handler turns its request into the protocol's protobuf message and awaits the
-`InferenceService` the gRPC server uses, so HTTP and gRPC requests batch together and share
+One data plane: each handler decodes its request (rest_codec.py) and awaits the `DataPlane` the gRPC
+front end awaits (service/serving/dataplane.py), so HTTP and gRPC requests batch together and share
 admission, limits, metrics and statistics; then it writes the answer as JSON (or JSON and Triton's
 binary tensor data). Bearer tokens and TLS as on gRPC; the health and readiness endpoints stay open.
 Triton's generate extension makes `curl` a complete client of g2p. aiohttp is imported here only.
@@ -19,60 +19,47 @@ import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import grpc
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import ERROR, RequestPayloadError
 
-from service import protocol
+from service.config import ServerSettings
 from service.datatypes import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
+from service.frontends.codec import RawSource
+from service.frontends.messages import (
+    config_message,
+    index_message,
+    metadata_message,
+    server_metadata_message,
+    statistics_message,
+)
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
     message_json,
-    output_data,
+    output_text,
+    parameters,
     parse_infer,
     parse_json,
-    set_parameters,
 )
 from service.frontends.security import BearerTokens
-from service.models.kinds import normalize_word
+from service.frontends.statuses import http_status
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
+from service.serving.dataplane import DataPlane
+from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter
 
-__all__ = ["HTTP_STATUS", "MAX_STREAM_WORDS", "RestServer"]
+__all__ = ["RestServer"]
 
-# Every gRPC status name -> the HTTP status that answers it (the message is the same on both protocols):
-# Google's mapping (google/rpc/code.proto), and nginx's 499 for a client that left.
-HTTP_STATUS = {
-    "OK": 200,
-    "INVALID_ARGUMENT": 400,
-    "FAILED_PRECONDITION": 400,
-    "OUT_OF_RANGE": 400,
-    "UNAUTHENTICATED": 401,
-    "PERMISSION_DENIED": 403,
-    "NOT_FOUND": 404,
-    "ALREADY_EXISTS": 409,
-    "ABORTED": 409,
-    "RESOURCE_EXHAUSTED": 429,
-    "CANCELLED": 499,  # the client left; nobody reads it
-    "UNKNOWN": 500,
-    "INTERNAL": 500,
-    "DATA_LOSS": 500,
-    "UNIMPLEMENTED": 501,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Content types a body may claim: JSON, the binary extension, and what `curl -d` sends unasked.
 CONTENT_TYPES = frozenset(
     {"application/json", "application/octet-stream", "application/x-www-form-urlencoded", "text/plain"}
 )
 ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})  # decompressed by aiohttp, bounded as the body is
-MAX_STREAM_WORDS = 64  # generate_stream: words of one text (each its own request), as g2p's max_words
 Handler = Callable[[web.BaseRequest, str, str], Awaitable[web.StreamResponse]]
 
 
@@ -98,16 +85,6 @@ class _Refused(Exception):
         self.close = close  # the connection closes after the answer: what is left of the body is not read
 
 
-class _Call:
-    """Stands in for the grpc.aio context the InferenceService's methods take: its abort raises."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
-        raise _Refused(HTTP_STATUS.get(code.name, 500), details)
-
-    def time_remaining(self) -> float | None:
-        return None
-
-
 @dataclass(frozen=True)
 class _Route:
     endpoint: str  # the metric label
@@ -125,7 +102,7 @@ def _failed(e: ServingError) -> web.Response:
     headers = {}
     if e.retry_after_ms is not None:  # gRPC's grpc-retry-pushback-ms, in HTTP's whole seconds
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_ms / 1000)))
-    return _error(HTTP_STATUS.get(e.code, 500), e.message, headers)
+    return _error(http_status(e), e.message, headers)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -150,20 +127,32 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _text_request(model: str, version: str, text: str, request_id: str, params: Any) -> Any:
-    """What generate sends the model: TEXT [1], as a gRPC client of g2p would."""
-    request = protocol.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
-    request.raw_input_contents.append(encode_bytes(np.array([text.encode()], dtype=object)))
-    set_parameters(request.parameters, params)
-    return request
+@dataclass(frozen=True)
+class _TextInput:
+    """generate's body."""
+
+    text: str
+    id: str
+    parameters: dict[str, Parameter]
+
+    def request(self, model: str, version: str, text: str, method: str, carrier: Any) -> InferRequest:
+        """What generate sends the model: TEXT [1], as a gRPC client of g2p would."""
+        tensor = InferInput("TEXT", "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
+        return InferRequest(model, version, self.id, [tensor], (), self.parameters, None, carrier, method)
 
 
 class RestServer:
     """The HTTP/REST front end of one `Server`: bind at start (a port in use stops it), serve, stop."""
 
-    def __init__(self, service: Any, metrics: Metrics, settings: Any, tokens: BearerTokens, tls: ssl.SSLContext | None):
-        self.service, self.settings, self.tls = service, settings, tls
+    def __init__(
+        self,
+        plane: DataPlane,
+        metrics: Metrics,
+        settings: ServerSettings,
+        tokens: BearerTokens,
+        tls: ssl.SSLContext | None,
+    ) -> None:
+        self.plane, self.settings, self.tls = plane, settings, tls
         self.tokens = tokens
         self.counter = metrics.http_requests
         self._socket: socket.socket | None = None
@@ -286,7 +275,7 @@ class RestServer:
         return response
 
     def _label(self, model: str) -> str:
-        return model if model in self.service.registry.models else UNKNOWN_MODEL if model else ""
+        return model if self.plane.in_repository(model) else UNKNOWN_MODEL if model else ""
 
     async def _body(self, request: web.BaseRequest) -> bytes:
         """The request's body, within --max-message-bytes and --http-timeout, of a type JSON can be in."""
@@ -317,41 +306,34 @@ class RestServer:
                 400, f"the body cannot be read: {quote(' '.join(str(e).split()), 200)}", close=True
             ) from None
 
-    async def _call(self, method: str, request: Any) -> Any:
-        """An InferenceService method, as the gRPC server calls it."""
-        return await getattr(self.service, method)(request, _Call())
-
     # --- health and metadata --------------------------------------------------------------------------
 
     async def _live(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        live = (await self._call("ServerLive", protocol.ServerLiveRequest())).live
-        return web.Response(status=200 if live else 503)
+        return web.Response(status=200 if self.plane.live() else 503)
 
     async def _ready(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        ready = (await self._call("ServerReady", protocol.ServerReadyRequest())).ready
-        return web.Response(status=200 if ready else 503)
+        return web.Response(status=200 if self.plane.ready() else 503)
 
     async def _model_ready(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        if (await self._call("ModelReady", protocol.ModelReadyRequest(name=model, version=version))).ready:
+        if self.plane.model_ready(model, version):
             return web.Response(status=200)
         # Not ready: a model it does not serve is 404 with gRPC's message, a served one (draining) 503.
-        await self._call("ModelMetadata", protocol.ModelMetadataRequest(name=model, version=version))
+        self.plane.model(model, version)
         return _error(503, f"model {quote(model)} is not ready: the server is shutting down")
 
     async def _server_metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        return _json(message_json(await self._call("ServerMetadata", protocol.ServerMetadataRequest())))
+        return _json(message_json(server_metadata_message(self.plane.server_info())))
 
     async def _metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        answer = await self._call("ModelMetadata", protocol.ModelMetadataRequest(name=model, version=version))
-        return _json(message_json(answer))
+        m = self.plane.model(model, version)
+        return _json(message_json(metadata_message(m, self.plane.versions(m.name))))
 
     async def _config(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        answer = await self._call("ModelConfig", protocol.ModelConfigRequest(name=model, version=version))
+        answer = config_message(self.plane.model(model, version))
         return _json(message_json(answer.config))  # Triton answers the config itself, unwrapped
 
     async def _stats(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        answer = await self._call("ModelStatistics", protocol.ModelStatisticsRequest(name=model, version=version))
-        return _json(message_json(answer))
+        return _json(message_json(statistics_message(self.plane.statistics(model, version), self.plane.cache)))
 
     async def _load(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         """Triton's load: {"parameters": {"config": "<config.json as a string>"}} (the body is optional)."""
@@ -360,27 +342,25 @@ class RestServer:
         params = doc.get("parameters", {})
         if not isinstance(params, dict):
             raise InvalidArgument('"parameters" must be an object')
-        load = protocol.RepositoryModelLoadRequest(model_name=model)
         for key, value in params.items():
             if not isinstance(value, str):
                 raise InvalidArgument(f"load parameter {quote(str(key))} must be a string")
-            load.parameters[key].string_param = value
-        await self._call("RepositoryModelLoad", load)
+        await self.plane.load(model, params)
         return web.Response(status=200)
 
     async def _unload(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         await self._body(request)  # Triton's unload_dependents parameter: nothing depends on a qkv model
-        await self._call("RepositoryModelUnload", protocol.RepositoryModelUnloadRequest(model_name=model))
+        await self.plane.unload(model)
         return web.Response(status=200)
 
     def _carrier(self, request: web.BaseRequest) -> Any:
         """The request's headers, for a traceparent, when the server traces."""
-        return request.headers if self.service.server.tracing is not None else None
+        return request.headers if self.plane.traced else None
 
     async def _index(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         body = await self._body(request)
         only_ready = bool(parse_json(body).get("ready", False)) if body.strip() else False
-        models = message_json(await self._call("RepositoryIndex", protocol.RepositoryIndexRequest()))["models"]
+        models = message_json(index_message(self.plane.index()))["models"]
         return _json([m for m in models if not only_ready or m["state"] == "READY"])
 
     # --- inference ------------------------------------------------------------------------------------
@@ -388,9 +368,8 @@ class RestServer:
     async def _infer(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         body = await self._body(request)
         parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
-        outcome = await self.service._answer(
-            parsed.request, parsed.timeout, self._carrier(request), "POST /v2/models/{model}/infer"
-        )
+        parsed.request.trace_context = self._carrier(request)
+        outcome = await self.plane.infer(parsed.request)
         if isinstance(outcome, ServingError):
             return _failed(outcome)
         data, header_length = encode_infer(outcome, parsed)
@@ -400,7 +379,7 @@ class RestServer:
             body=data, content_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)}
         )
 
-    async def _text_input(self, request: web.BaseRequest) -> tuple[str, str, Any]:
+    async def _text_input(self, request: web.BaseRequest) -> _TextInput:
         """generate's body: {"text_input": "...", "id": "...", "parameters": {...}}."""
         doc = parse_json(await self._body(request))
         text = doc.get("text_input")
@@ -409,45 +388,56 @@ class RestServer:
         request_id = doc.get("id", "")
         if not isinstance(request_id, str):
             raise InvalidArgument("id must be a string")
-        return text, request_id, doc.get("parameters", {})
+        return _TextInput(text, request_id, parameters(doc.get("parameters", {})))
 
     async def _generate(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
-        text, request_id, params = await self._text_input(request)
-        outcome = await self.service._answer(
-            _text_request(model, version, text, request_id, params),
-            None,
-            self._carrier(request),
-            "POST /v2/models/{model}/generate",
-        )
+        body = await self._text_input(request)
+        method = "POST /v2/models/{model}/generate"
+        outcome = await self.plane.infer(body.request(model, version, body.text, method, self._carrier(request)))
         if isinstance(outcome, ServingError):
             return _failed(outcome)
-        phonemes = str(output_data(outcome)["PHONEMES"][0])
-        words = [w for w in map(normalize_word, text.split()) if w]
+        phonemes = output_text(outcome, "PHONEMES")
+        words = self._text_words(outcome.model_name, outcome.model_version, body.text) or []
         doc = self._generated(outcome, phonemes)
-        doc["words"] = [{"word": w, "phonemes": p} for w, p in zip(words, phonemes.split(" | "), strict=False)]
+        doc["words"] = [{"word": w, "phonemes": p} for (_, w), p in zip(words, phonemes.split(" | "), strict=False)]
         return _json(doc)
 
     @staticmethod
-    def _generated(outcome: Any, text_output: str) -> dict[str, Any]:
+    def _generated(outcome: InferResponse, text_output: str) -> dict[str, Any]:
         doc: dict[str, Any] = {"model_name": outcome.model_name, "model_version": outcome.model_version}
         if outcome.id:
             doc["id"] = outcome.id
         doc["text_output"] = text_output
         return doc
 
+    def _text_words(self, model: str, version: str, text: str) -> list[tuple[str, str]] | None:
+        """Each token of `text` that holds a word, with the word, as the model reads them; None when the
+        model is not served (its request says why) or takes no text."""
+        try:
+            return self.plane.model(model, version).text_words(text)
+        except ServingError:
+            return None
+
+    def _stream_words(self, model: str, version: str, text: str) -> list[tuple[str, str]]:
+        """generate_stream's requests: each token of `text` that holds a word (and the word); the whole text
+        as one when there is none (or the model is unknown or takes no text): its answer says why."""
+        words = self._text_words(model, version, text) or [(text, text)]
+        if len(words) > 1 and len(words) > (limit := self.plane.model(model, version).max_text_words()):
+            raise InvalidArgument(f"text_input has {len(words)} words, the limit is {limit} (the model's max_words)")
+        return words
+
     async def _generate_stream(self, request: web.BaseRequest, model: str, version: str) -> web.StreamResponse:
         """generate as server-sent events: each word is its own request, all sent at once (they batch
         together), and each word's event goes out, in the text's order, as soon as it and those before it
         are done; a last event carries the whole text_output. Until the first word is done the answer can
         still be an error status; a later failure is an `error` event, and the stream ends."""
-        text, request_id, params = await self._text_input(request)
-        tokens = [t for t in text.split() if normalize_word(t)] or [text]  # nothing to say: the model says why
-        if len(tokens) > MAX_STREAM_WORDS:
-            raise InvalidArgument(f"text_input has {len(tokens)} words, the limit is {MAX_STREAM_WORDS}")
+        body = await self._text_input(request)
+        words = self._stream_words(model, version, body.text)
+        method = "POST /v2/models/{model}/generate_stream"
         tasks = [
-            asyncio.create_task(self.service._answer(_text_request(model, version, t, request_id, params), None))
-            for t in tokens
+            asyncio.create_task(self.plane.infer(body.request(model, version, token, method, None)))
+            for token, _ in words
         ]
         try:
             first = await tasks[0]
@@ -456,7 +446,7 @@ class RestServer:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
-                await self._events(response, tasks, first, tokens)
+                await self._events(response, tasks, first, [w for _, w in words])
             except ConnectionError:  # the client left mid-stream: its 200 is answered, the rest unread
                 return response
             except Exception:  # the status is sent: the fault ends the stream, logged, as an error event
@@ -470,7 +460,11 @@ class RestServer:
                 task.cancel()
 
     async def _events(
-        self, response: web.StreamResponse, tasks: list[asyncio.Task[Any]], first: Any, tokens: list[str]
+        self,
+        response: web.StreamResponse,
+        tasks: list[asyncio.Task[InferResponse | ServingError]],
+        first: InferResponse,
+        words: list[str],
     ) -> None:
         """generate_stream's events: each word's in order, then the whole text, or an error event and the end."""
         said = []
@@ -479,9 +473,9 @@ class RestServer:
             if isinstance(outcome, ServingError):
                 await response.write(_event("error", {"error": outcome.message}))
                 return
-            phonemes = str(output_data(outcome)["PHONEMES"][0])
+            phonemes = output_text(outcome, "PHONEMES")
             said.append(phonemes)
-            event = self._generated(outcome, phonemes) | {"index": index, "word": normalize_word(tokens[index])}
+            event = self._generated(outcome, phonemes) | {"index": index, "word": words[index]}
             await response.write(_event("", event))
         final = self._generated(first, " | ".join(said)) | {"final": True}
         await response.write(_event("", final))

@@ -1,17 +1,19 @@
-"""The v2 REST protocol's bodies <-> the protocol's protobuf messages.
+"""The v2 REST protocol's bodies <-> the data plane's requests and answers.
 
-A REST inference request becomes the same `ModelInferRequest` a gRPC client sends, so both protocols
-share one data plane. Tensors come as JSON `data` (flat or nested, row-major; BYTES as strings) or,
-with Triton's binary tensor data extension, as raw bytes after the JSON header
-(`Inference-Header-Content-Length`, `parameters.binary_data_size`). Either way they are handed on as
-`raw_input_contents`, which `service.frontends.codec` checks as it checks a gRPC client's. Answers go back as
-JSON `data`, or as raw bytes after the header for the outputs asked for in binary.
+A REST inference request becomes the data plane's `InferRequest` (service/serving/dataplane_types.py), as a
+gRPC message does. Tensors come as JSON `data` (flat or nested, row-major; BYTES as strings) or, with
+Triton's binary tensor data extension, as raw bytes after the JSON header (`Inference-Header-Content-Length`,
+`parameters.binary_data_size`). Either way they are handed on as the protocol's raw bytes
+(`codec.RawSource`), which the data plane checks as it checks a gRPC client's. Answers go back as JSON
+`data`, or as raw bytes after the header for the outputs asked for in binary. The other endpoints answer
+with JSON of the protocol's messages, as Triton's REST API does (`message_json`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +22,20 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from service import protocol
-from service.datatypes import MAX_DIMS, NUMPY_DTYPES, check_datatype, decode_bytes, encode_bytes
-from service.errors import InvalidArgument, clip, quote
+from service.datatypes import MAX_DIMS, NUMPY_DTYPES, check_datatype, datatype_of, decode_bytes, encode_bytes
+from service.errors import InvalidArgument, quote
+from service.frontends.codec import RawSource, output_bytes
+from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
 __all__ = [
     "MAX_JSON_BYTES",
     "InferBody",
     "encode_infer",
     "message_json",
-    "output_data",
+    "output_text",
+    "parameters",
     "parse_infer",
     "parse_json",
-    "set_parameters",
 ]
 
 # The JSON part of a request, at most. Parsing holds the event loop (measured here: 10 ms a MiB of
@@ -53,12 +56,11 @@ _INT64_TYPES = {
 
 @dataclass
 class InferBody:
-    """A REST inference request as the gRPC path takes it, with how its answer is to be written."""
+    """A REST inference request as the data plane takes it, with how its answer is to be written."""
 
-    request: Any  # protocol.ModelInferRequest
+    request: InferRequest
     binary_outputs: dict[str, bool] = field(default_factory=dict)  # output name -> in binary
     binary_default: bool = False  # for outputs not named above
-    timeout: float | None = None  # seconds, from Triton's `timeout` parameter (microseconds)
 
     def binary(self, name: str) -> bool:
         return self.binary_outputs.get(name, self.binary_default)
@@ -129,22 +131,17 @@ def _string(value: Any, what: str) -> str:
     return value
 
 
-def set_parameters(target: Any, params: Any, what: str = "parameters") -> None:
-    """JSON parameters -> a protobuf map of InferParameter (bool, int64, double or string)."""
+def parameters(params: Any, what: str = "parameters") -> dict[str, Parameter]:
+    """JSON parameters -> the protocol's parameter values (bool, int64, double or string)."""
     if not isinstance(params, dict):
         raise InvalidArgument(f"{what} must be a JSON object")
+    out: dict[str, Parameter] = {}
     for key, value in params.items():
-        p = target[key]
-        if isinstance(value, bool):
-            p.bool_param = value
-        elif isinstance(value, int) and -(2**63) <= value < 2**63:
-            p.int64_param = value
-        elif isinstance(value, float):
-            p.double_param = value
-        elif isinstance(value, str):
-            p.string_param = value
+        if isinstance(value, bool | float | str) or (isinstance(value, int) and -(2**63) <= value < 2**63):
+            out[key] = value
         else:
             raise InvalidArgument(f"{what}: {quote(key)} must be a boolean, a 64-bit integer, a number or a string")
+    return out
 
 
 def _shape(value: Any, name: str) -> list[int]:
@@ -207,87 +204,98 @@ def _integers(data: Any, name: str, datatype: str) -> np.ndarray | None:
     return np.array(values.tolist(), dtype=NUMPY_DTYPES[datatype])
 
 
-def parse_infer(body: bytes, header_length: str | None, model: str, version: str) -> InferBody:
-    """A REST inference request (JSON, or JSON + binary tensors) -> the ModelInferRequest the gRPC path
-    takes. Tensors' shapes, sizes and datatypes are checked later, by the codec, as a gRPC client's are."""
+def _header_size(body: bytes, header_length: str | None) -> int:
+    """The length of the JSON header: the whole body, or what Inference-Header-Content-Length says."""
     if header_length is None:
-        size = len(body)
-    else:
-        try:
-            size = int(header_length)
-        except ValueError:
-            raise InvalidArgument(f"Inference-Header-Content-Length {quote(header_length)} is not a number") from None
-        if not 0 <= size <= len(body):
-            raise InvalidArgument(
-                f"Inference-Header-Content-Length is {size}, the body has {len(body)} bytes: it must lie between"
-            )
+        return len(body)
+    try:
+        size = int(header_length)
+    except ValueError:
+        raise InvalidArgument(f"Inference-Header-Content-Length {quote(header_length)} is not a number") from None
+    if not 0 <= size <= len(body):
+        raise InvalidArgument(
+            f"Inference-Header-Content-Length is {size}, the body has {len(body)} bytes: it must lie between"
+        )
+    return size
+
+
+def _input(tensor: Any, k: int, view: memoryview, offset: int) -> tuple[InferInput, int]:
+    """inputs[k] of the JSON header, its binary data at `offset` of the body; and the offset after it."""
+    if not isinstance(tensor, dict):
+        raise InvalidArgument(f"inputs[{k}] must be a JSON object")
+    name = _string(tensor.get("name"), f"inputs[{k}].name")
+    datatype = _string(tensor.get("datatype"), f"input {quote(name)}: datatype")
+    shape = _shape(tensor.get("shape"), name)
+    check_datatype(name, datatype)
+    tensor_params = tensor.get("parameters", {})
+    if not isinstance(tensor_params, dict):
+        raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
+    binary = tensor_params.get(BINARY_SIZE)
+    if binary is None:
+        if "data" not in tensor:
+            raise InvalidArgument(f"input {quote(name)}: neither data nor parameters.{BINARY_SIZE} given")
+        return InferInput(name, datatype, shape, RawSource(_json_tensor(name, datatype, shape, tensor["data"]))), offset
+    if "data" in tensor:
+        raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
+    if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
+        raise InvalidArgument(f"input {quote(name)}: parameters.{BINARY_SIZE} must be a non-negative integer")
+    if offset + binary > len(view):
+        raise InvalidArgument(
+            f"input {quote(name)}: {binary} binary bytes declared, {len(view) - offset} left in the body"
+        )
+    return InferInput(name, datatype, shape, RawSource(view[offset : offset + binary])), offset + binary
+
+
+def _outputs(outputs: Any, parsed: InferBody) -> list[RequestedOutput]:
+    """The JSON header's outputs, and which of them are asked for in binary."""
+    if not isinstance(outputs, list):
+        raise InvalidArgument("'outputs' must be a list")
+    requested = []
+    for k, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            raise InvalidArgument(f"outputs[{k}] must be a JSON object")
+        name = _string(out.get("name"), f"outputs[{k}].name")
+        out_params = out.get("parameters", {})
+        if not isinstance(out_params, dict):
+            raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
+        plain = {key: v for key, v in out_params.items() if isinstance(v, bool | int | float | str)}
+        requested.append(RequestedOutput(name, plain))
+        if "binary_data" in out_params:
+            parsed.binary_outputs[name] = bool(out_params["binary_data"])
+    return requested
+
+
+def parse_infer(
+    body: bytes, header_length: str | None, model: str, version: str, arrived: float | None = None
+) -> InferBody:
+    """A REST inference request (JSON, or JSON + binary tensors) -> the data plane's request. Tensors'
+    shapes, sizes and datatypes are checked later, by the data plane, as a gRPC client's are. `arrived`:
+    time.monotonic() at its arrival, from which Triton's `timeout` parameter counts."""
+    size = _header_size(body, header_length)
     view = memoryview(body)
     doc = parse_json(view[:size], "the inference request")
-    request = protocol.ModelInferRequest(model_name=model, model_version=version)
+    request = InferRequest(model_name=model, model_version=version, method="POST /v2/models/{model}/infer")
     if "id" in doc:
         request.id = _string(doc["id"], "id")
     parsed = InferBody(request)
     params = doc.get("parameters", {})
-    set_parameters(request.parameters, params)
+    request.parameters = parameters(params)
     parsed.binary_default = bool(params.get("binary_data_output", False))
     if "timeout" in params:  # Triton's per-request timeout, microseconds: the request's deadline here
         timeout = params["timeout"]
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
             raise InvalidArgument("parameters: 'timeout' must be a positive integer (microseconds)")
-        parsed.timeout = timeout / 1e6
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
+        request.deadline = (arrived if arrived is not None else time.monotonic()) + timeout / 1e6
+    tensors = doc.get("inputs")
+    if not isinstance(tensors, list) or not tensors:
         raise InvalidArgument("the inference request must have 'inputs': a list of tensors")
-    offset = size
-    for k, tensor in enumerate(inputs):
-        if not isinstance(tensor, dict):
-            raise InvalidArgument(f"inputs[{k}] must be a JSON object")
-        name = _string(tensor.get("name"), f"inputs[{k}].name")
-        datatype = _string(tensor.get("datatype"), f"input {quote(name)}: datatype")
-        shape = _shape(tensor.get("shape"), name)
-        check_datatype(name, datatype)
-        request.inputs.add(name=name, datatype=datatype, shape=shape)
-        tensor_params = tensor.get("parameters", {})
-        if not isinstance(tensor_params, dict):
-            raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
-        binary = tensor_params.get(BINARY_SIZE)
-        if binary is not None:
-            if "data" in tensor:
-                raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
-            if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
-                raise InvalidArgument(f"input {quote(name)}: parameters.{BINARY_SIZE} must be a non-negative integer")
-            if offset + binary > len(body):
-                raise InvalidArgument(
-                    f"input {quote(name)}: {binary} binary bytes declared, {len(body) - offset} left in the body"
-                )
-            request.raw_input_contents.append(body[offset : offset + binary])
-            offset += binary
-        elif "data" in tensor:
-            request.raw_input_contents.append(_json_tensor(name, datatype, shape, tensor["data"]))
-        else:
-            raise InvalidArgument(f"input {quote(name)}: neither data nor parameters.{BINARY_SIZE} given")
+    inputs, offset = [], size
+    for k, tensor in enumerate(tensors):
+        tensor_input, offset = _input(tensor, k, view, offset)
+        inputs.append(tensor_input)
     if offset != len(body):
         raise InvalidArgument(f"{len(body) - offset} bytes after the last input's binary data: none may follow")
-    outputs = doc.get("outputs", [])
-    if not isinstance(outputs, list):
-        raise InvalidArgument("'outputs' must be a list")
-    for k, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            raise InvalidArgument(f"outputs[{k}] must be a JSON object")
-        name = _string(out.get("name"), f"outputs[{k}].name")
-        request.outputs.add(name=name)
-        out_params = out.get("parameters", {})
-        if not isinstance(out_params, dict):
-            raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
-        if "binary_data" in out_params:
-            parsed.binary_outputs[name] = bool(out_params["binary_data"])
-        if "classification" in out_params:  # Triton's classification extension: the top k classes
-            count = out_params["classification"]
-            if not isinstance(count, int) or isinstance(count, bool):
-                raise InvalidArgument(
-                    f"output {quote(name)}: classification must be an integer, got {clip(repr(count))}"
-                )
-            request.outputs[-1].parameters["classification"].int64_param = count
+    request.inputs, request.outputs = inputs, _outputs(doc.get("outputs", []), parsed)
     return parsed
 
 
@@ -300,28 +308,26 @@ def _json_data(datatype: str, shape: list[int], raw: bytes) -> list[Any]:
     return values
 
 
-def output_data(response: Any) -> dict[str, list[Any]]:
-    """Each output of a ModelInferResponse -> its values, flat."""
-    return {
-        t.name: _json_data(t.datatype, list(t.shape), raw)
-        for t, raw in zip(response.outputs, response.raw_output_contents, strict=True)
-    }
+def output_text(response: InferResponse, name: str) -> str:
+    """The first element of a BYTES output, as text (bytes that are not UTF-8 replaced)."""
+    array = response.outputs[name]
+    return str(_json_data("BYTES", list(array.shape), output_bytes(array))[0])
 
 
-def encode_infer(response: Any, parsed: InferBody) -> tuple[bytes, int | None]:
-    """A ModelInferResponse -> the REST body, and the length of its JSON header when binary data follows."""
+def encode_infer(response: InferResponse, parsed: InferBody) -> tuple[bytes, int | None]:
+    """The data plane's answer -> the REST body, and the length of its JSON header when binary data follows."""
     doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
     if response.id:
         doc["id"] = response.id
     outputs, binary = [], []
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        shape = list(tensor.shape)
-        out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": shape}
-        if parsed.binary(tensor.name):
+    for name, array in response.outputs.items():
+        shape, datatype, raw = list(array.shape), datatype_of(array), output_bytes(array)
+        out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if parsed.binary(name):
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
         else:
-            out["data"] = _json_data(tensor.datatype, shape, raw)
+            out["data"] = _json_data(datatype, shape, raw)
         outputs.append(out)
     doc["outputs"] = outputs
     header = json.dumps(doc, separators=(",", ":")).encode()

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
-from service.errors import InvalidArgument, quote
+from service.errors import InvalidArgument, ServingError, quote
 from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
@@ -30,13 +31,14 @@ from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher
+from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
 from service.scheduling.tuning import CostModel, Tuning, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.observability.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace, Tracing
 
 __all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
 
@@ -216,6 +218,8 @@ def _stack(parts: list[np.ndarray], axis: int | None, longest: int) -> np.ndarra
 
 class TensorModel:
     kind = "tensor"
+    platform = "onnxruntime_onnx"
+    compute_span = "qkv.compute"
 
     def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
         self.config, self.runtime = config, runtime
@@ -269,7 +273,26 @@ class TensorModel:
         self.admission.seed(best_tokens, best_seconds)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
 
-    def start(self) -> None:
+    def batching(self) -> BatchingConfig:
+        return self.batcher.config
+
+    def batching_sources(self) -> dict[str, str]:
+        """Where each tuned setting came from (config.json, or what warm-up measured)."""
+        return dict(self.tuning.reasons) if self.tuning is not None else {}
+
+    def text_words(self, text: str) -> None:
+        return None  # a tensor model takes no text
+
+    def max_text_words(self) -> int:
+        return 0
+
+    def config_parameters(self) -> dict[str, str]:
+        return {}
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        """Batching begins; `on_failure` hears if the batcher dies (the registry takes the version out)."""
+        self.batcher.tracer = tracer
+        self.batcher.on_failure = on_failure
         self.batcher.start()
 
     async def close(self) -> None:
@@ -485,6 +508,8 @@ def _hypothesis_bytes(h: Hypothesis) -> int:
 class G2PModel:
     kind = "g2p"
     caches_words = True  # the response cache keeps each word's answer, not whole requests
+    platform = "qkv_g2p"
+    compute_span = "qkv.decode"
     inputs: ClassVar[list[TensorSpec]] = [TensorSpec("TEXT", "BYTES", (-1,), ("batch",))]
     outputs: ClassVar[list[TensorSpec]] = [
         TensorSpec("PHONEMES", "BYTES", (-1,), ("batch",)),
@@ -536,7 +561,26 @@ class G2PModel:
         except Exception as e:  # onnxruntime's own exception types
             raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
 
-    def start(self) -> None:
+    def batching(self) -> BatchingConfig:
+        return self.config.batching
+
+    def batching_sources(self) -> None:
+        return None  # g2p's batching is config.json's, not tuned: not shown
+
+    def text_words(self, text: str) -> list[tuple[str, str]]:
+        """Each token of `text` that holds a word, with the word as `words` reads it."""
+        return [(token, word) for token in text.split() if (word := normalize_word(token))]
+
+    def max_text_words(self) -> int:
+        return self.max_words
+
+    def config_parameters(self) -> dict[str, str]:
+        return {"text_normalization": self.text_rules}  # the version of the rules that read text into words
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        """Decoding begins; `on_failure` hears if a decoding thread dies (the registry takes the version out)."""
+        self.scheduler.tracer = tracer
+        self.scheduler.on_failure = on_failure
         self.scheduler.start()
 
     async def close(self) -> None:

@@ -10,12 +10,13 @@ and `sequence_end`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.datatypes import NUMPY_DTYPES
-from service.errors import InvalidArgument, quote
+from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import Result, TensorModel, _as_strings, _checked_feeds
 from service.models.runtime import TensorRuntime
 from service.observability.metrics import ModelObserver
@@ -23,7 +24,7 @@ from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.sequence import SequenceBatcher, SequenceStep, initial_state
 
 if TYPE_CHECKING:
-    from service.observability.tracing import RequestTrace
+    from service.observability.tracing import RequestTrace, Tracing
 
 __all__ = ["StatefulTensorModel"]
 
@@ -82,7 +83,7 @@ class StatefulTensorModel(TensorModel):
         except Exception as e:  # onnxruntime's own exception types
             raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
 
-    def start(self) -> None:
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
         self.sequencer.start()
 
     async def close(self) -> None:

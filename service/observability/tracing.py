@@ -315,6 +315,17 @@ class Traced(Protocol):
     def started(self) -> float | None: ...
 
 
+class TracedModel(Protocol):
+    """What a request's span reads of the model version that answered it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def compute_span(self) -> str: ...  # its kind's name for the compute span: qkv.compute, qkv.decode
+
+
 class BatchSpan:
     """A batch's span, open while it runs, and the sampled requests in it."""
 
@@ -432,7 +443,7 @@ class Tracing:
             t.batch, t.started = context, x.started
         return BatchSpan(span, [t for _, t in traced])
 
-    def finish(self, t: RequestTrace, code: str, error: Any, model: Any, seq_len: int) -> None:
+    def finish(self, t: RequestTrace, code: str, error: Any, model: TracedModel | None, seq_len: int) -> None:
         """The request is answered (`code`, and the ServingError when not OK): its child spans, from what
         was recorded on the way, then its own end."""
         span, end = t.span, time.monotonic()
@@ -442,7 +453,7 @@ class Tracing:
             began = t.started if t.started is not None else end
             self.tracer.start_span("qkv.queue", parent, start_time=t.ns(start)).end(t.ns(began))
         if t.started is not None:
-            self._compute(t, parent, end, model is not None and model.kind == "g2p")
+            self._compute(t, parent, end, model.compute_span if model is not None else "qkv.compute")
         attributes: dict[str, Any] = {"qkv.status": code, "qkv.seq_len": seq_len}
         if "rpc.system" in (getattr(span, "attributes", None) or {}):
             attributes["rpc.grpc.status_code"] = grpc.StatusCode[code].value[0]
@@ -473,14 +484,13 @@ class Tracing:
         span.end(t.ns(at))
         return at
 
-    def _compute(self, t: RequestTrace, parent: Context, end: float, g2p: bool) -> None:
+    def _compute(self, t: RequestTrace, parent: Context, end: float, name: str) -> None:
         assert t.started is not None
         links = [Link(t.batch)] if t.batch is not None else []
-        span = self.tracer.start_span("qkv.decode" if g2p else "qkv.compute", parent, links=links,
-                                      start_time=t.ns(t.started))  # fmt: skip
-        if g2p:
-            counts = {"steps": t.steps, "joins": t.joins, "leaves": t.leaves, "beam_width": t.beam}
-            span.set_attributes({f"qkv.decode.{k}": v for k, v in counts.items() if v is not None})
+        span = self.tracer.start_span(name, parent, links=links, start_time=t.ns(t.started))
+        # What a decoding scheduler recorded on the way (a batcher records none of these).
+        counts = {"steps": t.steps, "joins": t.joins, "leaves": t.leaves, "beam_width": t.beam}
+        span.set_attributes({f"qkv.decode.{k}": v for k, v in counts.items() if v is not None})
         span.end(t.ns(t.done if t.done is not None else end))
 
     def shutdown(self) -> None:

@@ -32,13 +32,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from service import priority
 from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
-from service.models.kinds import G2PModel, TensorModel
+from service.models.catalog import BATCHING_SHOWN, ServedVersion, build
 from service.models.response_cache import ResponseCache
-from service.models.runtime import G2PRuntime, TensorRuntime, choose_providers
-from service.models.stateful import StatefulTensorModel
+from service.models.runtime import choose_providers
 from service.observability.metrics import Metrics
 from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
 
@@ -46,6 +44,7 @@ if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
 
 __all__ = [
+    "BATCHING_SHOWN",
     "LOADING",
     "READY",
     "UNAVAILABLE",
@@ -60,9 +59,8 @@ __all__ = [
 
 log = logging.getLogger("qkv.registry")
 
-Model = TensorModel | G2PModel
+Model = ServedVersion  # of any kind (service/models/catalog.py)
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
-BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
 
 
 class LoadFailed(InvalidArgument):
@@ -387,15 +385,7 @@ class ModelRegistry:
 
     def _build(self, config: ModelConfig) -> Model:
         """On a worker thread: sessions (loaded at compute priority) and warm-up."""
-        observer = self.metrics.observer(config.name, config.version)
-        model: Model
-        if config.kind == "g2p":
-            g2p = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, self.providers)), observer)
-            g2p.cache = self.cache if config.response_cache else None
-            model = g2p
-        else:
-            kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
-            model = kind(config, priority.run_lowered(partial(TensorRuntime, config, self.providers)), observer)
+        model = build(config, self.providers, self.metrics.observer(config.name, config.version), self.cache)
         try:
             model.warm_up()
         except BaseException:
@@ -406,15 +396,11 @@ class ModelRegistry:
     def _activate(self, m: Model) -> None:
         """On the event loop: the model's batcher starts, and the metrics show it."""
         self.metrics.model_info.labels(m.name, m.version, m.provider).set(1)
-        if isinstance(m, TensorModel):
+        if m.batching_sources() is not None:  # a kind that tunes its batching shows what it chose
+            batching = m.batching()
             for key in BATCHING_SHOWN:
-                self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(m.batcher.config, key)))
-            m.batcher.tracer = self.tracing
-            m.batcher.on_failure = partial(self.version_failed, m)
-        else:
-            m.scheduler.tracer = self.tracing
-            m.scheduler.on_failure = partial(self.version_failed, m)
-        m.start()
+                self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(batching, key)))
+        m.start(self.tracing, partial(self.version_failed, m))
 
     async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:
         """Let versions that no longer take requests finish theirs, then free them and their series."""

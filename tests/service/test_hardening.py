@@ -22,16 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
 from service.bench.servers import scrape
-from service.errors import ServingError
-from service.frontends.rest_api import HTTP_STATUS, _Call, _failed, _Refused
 from service.observability.metrics_http import BACKLOG, MAX_HEAD_BYTES
-from tests.conftest import MODELS, ROOT, RunningServer, scale_model, start_server, stop_server
+from tests.conftest import MODELS, RunningServer, scale_model, start_server, stop_server
 from tests.figures import FIGURES
 
 TIMEOUT = 2.0  # the fixture's --http-timeout: the metrics port's header and idle timeout too
@@ -186,26 +183,6 @@ def test_config_values_are_checked_and_the_index_keeps_answering(hard: RunningSe
     FIGS["bad configs"] = f"{len(bad)} refused 400 naming the key; the index answered 200 after each"
 
 
-def _design_table() -> dict[str, int]:
-    """docs/design.md's "HTTP/REST" table: gRPC status -> HTTP status."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    rows = re.findall(r"^\| `([A-Z_]+)` \| (\d{3})\b", text.split("## HTTP/REST", 1)[1].split("\n## ", 1)[0], re.M)
-    return {code: int(status) for code, status in rows}
-
-
-def test_every_grpc_status_has_its_http_status_as_documented() -> None:
-    names = {c.name for c in grpc.StatusCode}
-    assert set(HTTP_STATUS) == names  # none falls back to 500
-    assert _design_table() == HTTP_STATUS  # the docs and the code, both ways
-    for code in grpc.StatusCode:  # the InferenceService's aborts, as the HTTP front end answers them
-        with pytest.raises(_Refused) as refused:
-            asyncio.run(_Call().abort(code, "m"))
-        assert refused.value.status == HTTP_STATUS[code.name]
-    for cls in ServingError.__subclasses__():  # each error the data plane raises
-        assert _failed(cls("m")).status == HTTP_STATUS[cls.code]
-    assert HTTP_STATUS["FAILED_PRECONDITION"] == 400 and HTTP_STATUS["PERMISSION_DENIED"] == 403
-
-
 def test_failed_precondition_is_answered_400_not_500(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     scale_model(repo / "scale")
@@ -313,8 +290,8 @@ def test_a_fault_of_the_server_is_a_counted_500_with_its_traceback_logged(caplog
     from service.observability.metrics import Metrics
 
     metrics = Metrics()
-    service = SimpleNamespace(registry=SimpleNamespace(models={}))
-    rest = RestServer(service, metrics, SimpleNamespace(max_message_bytes=1 << 20), BearerTokens([]), None)
+    plane = SimpleNamespace(in_repository=lambda name: False)
+    rest = RestServer(plane, metrics, SimpleNamespace(max_message_bytes=1 << 20), BearerTokens([]), None)
 
     async def broken(*_: Any) -> Any:
         raise RuntimeError("a bug")

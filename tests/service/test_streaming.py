@@ -155,7 +155,7 @@ def test_a_message_that_is_not_a_request_ends_the_stream_after_what_came_before(
 def test_a_client_that_stops_reading_stops_being_read(one_instance: RunningServer) -> None:
     """Requests past the stream's window wait in the transport, not in the server's memory, until the
     client reads its answers; then every one is answered."""
-    from service.server import STREAM_WINDOW
+    from service.frontends.grpc_api import STREAM_WINDOW
 
     server = one_instance
     rng = np.random.default_rng(2)

@@ -1,0 +1,259 @@
+"""inference.GRPCInferenceService: each RPC decodes its message, awaits the data plane
+(service/serving/dataplane.py) and encodes the answer.
+
+An inference message is handed over as views (`_Inputs`, `_Outputs`, `_Parameters`) that the data plane
+counts before it reads any entry, so a message of a million inputs builds nothing before it is refused;
+each tensor's contents stay in the message until the data plane reads them (`codec.MessageSource`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, NoReturn, TypeVar, overload
+
+import grpc
+from grpc.aio import ServicerContext as Context
+
+from service import protocol
+from service.errors import ServingError
+from service.frontends.codec import MessageSource, fill_output
+from service.frontends.messages import (
+    config_message,
+    index_message,
+    metadata_message,
+    server_metadata_message,
+    statistics_message,
+)
+from service.frontends.statuses import grpc_status
+from service.serving.dataplane import MAX_ID_CHARS, DataPlane
+from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
+
+__all__ = ["STREAM_WINDOW", "InferenceService"]
+
+STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
+_END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
+T = TypeVar("T")
+
+
+class _Parameters(Mapping[str, Parameter]):
+    """A message's map of InferParameter as plain values. len() counts every entry on the wire; the
+    entries without a value set are not iterated."""
+
+    def __init__(self, params: Any) -> None:
+        self._params = params
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, p in self._params.items() if p.WhichOneof("parameter_choice") is not None)
+
+    def __getitem__(self, key: str) -> Parameter:
+        if key not in self._params:  # indexing a protobuf map would add the key
+            raise KeyError(key)
+        p = self._params[key]
+        which = p.WhichOneof("parameter_choice")
+        if which is None:
+            raise KeyError(key)
+        value: Parameter = getattr(p, which)
+        return value
+
+
+class _Inputs(Sequence[InferInput]):
+    """A ModelInferRequest's input tensors, each built when it is read."""
+
+    def __init__(self, message: Any) -> None:
+        self._tensors, self._raw = message.inputs, message.raw_input_contents
+        raw, n = len(self._raw), len(self._tensors)
+        self._refused = f"{raw} raw_input_contents for {n} inputs: give one per input" if raw and raw != n else ""
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @overload
+    def __getitem__(self, k: int) -> InferInput: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[InferInput]: ...
+    def __getitem__(self, k: int | slice) -> InferInput | Sequence[InferInput]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        t = self._tensors[k]
+        raw = partial(self._raw.__getitem__, k) if len(self._raw) and not self._refused else None
+        return InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
+
+
+class _Outputs(Sequence[RequestedOutput]):
+    """A ModelInferRequest's requested outputs, each built when it is read."""
+
+    def __init__(self, outputs: Any) -> None:
+        self._outputs = outputs
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    @overload
+    def __getitem__(self, k: int) -> RequestedOutput: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[RequestedOutput]: ...
+    def __getitem__(self, k: int | slice) -> RequestedOutput | Sequence[RequestedOutput]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        o = self._outputs[k]
+        return RequestedOutput(o.name, _Parameters(o.parameters))
+
+
+def decode_request(message: Any, context: Context, plane: DataPlane, method: str) -> InferRequest:
+    """A ModelInferRequest -> the data plane's request; the call's deadline is the request's."""
+    remaining = context.time_remaining()
+    return InferRequest(
+        model_name=message.model_name,
+        model_version=message.model_version,
+        id=message.id,
+        inputs=_Inputs(message),
+        outputs=_Outputs(message.outputs),
+        parameters=_Parameters(message.parameters),
+        deadline=time.monotonic() + remaining if remaining is not None else None,
+        trace_context=context.invocation_metadata() if plane.traced else None,
+        method=method,
+    )
+
+
+def encode_response(answer: InferResponse) -> Any:
+    """The data plane's answer -> a ModelInferResponse, every output in raw_output_contents."""
+    response = protocol.ModelInferResponse(
+        model_name=answer.model_name, model_version=answer.model_version, id=answer.id
+    )
+    for name, array in answer.outputs.items():
+        response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
+    return response
+
+
+async def _abort(context: Context, e: ServingError) -> NoReturn:
+    if e.retry_after_ms is not None:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(e.retry_after_ms)),))
+    # abort, not set_code and return: returning made grpc log a traceback (ExecuteBatchError)
+    # for a call whose client had already gone (seen once in the fuzz test).
+    await context.abort(grpc_status(e), e.message)
+    raise AssertionError("abort raises")  # grpc's abort raises, untyped
+
+
+async def _answered(context: Context, work: Callable[[], T]) -> T:
+    """`work()`, a ServingError answered as its status."""
+    try:
+        return work()
+    except ServingError as e:
+        await _abort(context, e)
+
+
+async def _awaited(context: Context, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except ServingError as e:
+        await _abort(context, e)
+
+
+class InferenceService:
+    """inference.GRPCInferenceService over the data plane."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    async def ServerLive(self, request: Any, context: Context) -> Any:
+        return protocol.ServerLiveResponse(live=self.plane.live())
+
+    async def ServerReady(self, request: Any, context: Context) -> Any:
+        return protocol.ServerReadyResponse(ready=self.plane.ready())
+
+    async def ModelReady(self, request: Any, context: Context) -> Any:
+        return protocol.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request: Any, context: Context) -> Any:
+        return server_metadata_message(self.plane.server_info())
+
+    async def ModelMetadata(self, request: Any, context: Context) -> Any:
+        m = await _answered(context, partial(self.plane.model, request.name, request.version))
+        return metadata_message(m, self.plane.versions(m.name))
+
+    async def ModelConfig(self, request: Any, context: Context) -> Any:
+        return config_message(await _answered(context, partial(self.plane.model, request.name, request.version)))
+
+    async def ModelStatistics(self, request: Any, context: Context) -> Any:
+        chosen = await _answered(context, partial(self.plane.statistics, request.name, request.version))
+        return statistics_message(chosen, self.plane.cache)
+
+    async def RepositoryIndex(self, request: Any, context: Context) -> Any:
+        return index_message(self.plane.index(ready_only=request.ready))
+
+    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+        params = _Parameters(request.parameters)
+        await _awaited(context, self.plane.load(request.model_name, params, request.repository_name))
+        return protocol.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+        await _awaited(context, self.plane.unload(request.model_name, request.repository_name))
+        return protocol.RepositoryModelUnloadResponse()
+
+    async def ModelInfer(self, request: Any, context: Context) -> Any:
+        outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelInfer"))
+        if isinstance(outcome, ServingError):
+            await _abort(context, outcome)
+        return encode_response(outcome)
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+        """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
+        (so they batch together), and is answered as soon as it is done: a failure as error_message, and
+        the stream goes on. The stream's deadline bounds every request on it; when the client goes, the
+        requests still queued leave their queues."""
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+        # Requests read but not yet answered to the client: a client that stops reading stops being read.
+        window = asyncio.Semaphore(STREAM_WINDOW)
+
+        async def answer(request: Any) -> None:
+            outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelStreamInfer"))
+            answers.put_nowait(_stream_answer(request, outcome))
+
+        async def read() -> str | None:
+            """Start each request as it arrives; when the client is done sending, finish what it sent.
+            Returns why the stream broke off (a message that is not a ModelInferRequest), or None."""
+            broken = None
+            try:
+                async for request in requests:
+                    if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
+                        broken = f"a message on the stream: {request.reason}"
+                        break
+                    await window.acquire()
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running)
+                return broken
+            finally:
+                answers.put_nowait(_END_OF_STREAM)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (reply := await answers.get()) is not _END_OF_STREAM:
+                yield reply
+                window.release()
+            broken = await reader
+            if broken:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, broken)
+        finally:
+            for task in [reader, *running]:
+                task.cancel()
+
+
+def _stream_answer(request: Any, outcome: InferResponse | ServingError) -> Any:
+    """A ModelStreamInferResponse: the answer, or the error as `STATUS: message` with the request's id and
+    model, so that a client can tell which request failed."""
+    if not isinstance(outcome, ServingError):
+        return protocol.ModelStreamInferResponse(infer_response=encode_response(outcome))
+    hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
+    named = protocol.ModelInferResponse(model_name=request.model_name[:MAX_ID_CHARS], id=request.id[:MAX_ID_CHARS])
+    return protocol.ModelStreamInferResponse(
+        error_message=f"{outcome.code}: {outcome.message}{hint}", infer_response=named
+    )

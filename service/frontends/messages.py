@@ -1,0 +1,134 @@
+"""The data plane's answers about models as the protocol's messages: server and model metadata, model
+configuration, statistics and the repository index. gRPC sends them as they are; REST writes them as
+Triton's REST API does, as JSON of the same messages (`rest_codec.message_json`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from service import protocol
+from service.models.catalog import BATCHING_SHOWN, ServedVersion
+from service.models.response_cache import ResponseCache
+from service.serving.dataplane import ServerInfo
+from service.serving.registry import VersionState
+
+__all__ = ["config_message", "index_message", "metadata_message", "server_metadata_message", "statistics_message"]
+
+
+def server_metadata_message(info: ServerInfo) -> Any:
+    return protocol.ServerMetadataResponse(name=info.name, version=info.version, extensions=list(info.extensions))
+
+
+def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> Any:
+    tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
+    return protocol.ModelMetadataResponse(
+        name=model.name,
+        versions=[v.version for v in versions],
+        platform=f"{model.platform}:{model.provider}",
+        inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.inputs],
+        outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.outputs],
+    )
+
+
+def _triton_dims(shape: Any, batched: bool) -> list[int]:
+    """A shape as Triton's ModelConfig writes it: without the batch axis when there is one."""
+    return list(shape[1:]) or [1] if batched else list(shape)
+
+
+def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+    """An input as Triton's ModelConfig shows it, with config.json's format and reshape."""
+    i = protocol.ModelInput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
+    if "format" in declared:
+        i.format = protocol.ModelInput.Format.Value(declared["format"])
+    if "reshape" in declared:
+        i.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
+    return i
+
+
+def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+    """An output as Triton's ModelConfig shows it, with config.json's reshape and labels file."""
+    o = protocol.ModelOutput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
+    if "reshape" in declared:
+        o.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
+    if "labels" in declared:
+        o.label_filename = declared["label_filename"]
+    return o
+
+
+def config_message(m: ServedVersion) -> Any:
+    """Triton's ModelConfig of a version: its tensors, instances and batching, and qkv's own parameters."""
+    batched = m.max_batch_size > 0
+    declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
+    types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
+    types["BYTES"] = int(protocol.DataType.TYPE_STRING)
+    b = m.batching()
+    group = protocol.ModelInstanceGroup
+    config = protocol.ModelConfig(
+        name=m.name,
+        platform="onnxruntime_onnx",
+        backend="onnxruntime",
+        max_batch_size=m.max_batch_size,
+        input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.inputs],
+        output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.outputs],
+        instance_group=[
+            group(
+                name=m.name,
+                count=max(1, m.config.instances),
+                kind=group.KIND_GPU if "CUDA" in m.provider else group.KIND_CPU,
+            )
+        ],
+    )
+    if batched and b.enabled:
+        config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
+    config.parameters["provider"].string_value = m.provider
+    config.parameters["kind"].string_value = m.kind
+    for key, value in m.config_parameters().items():  # what the kind adds (g2p: the version of its text rules)
+        config.parameters[key].string_value = value
+    sources = m.batching_sources()
+    if sources is not None:  # a kind that tunes its batching: what is in force, and where each value came from
+        for key in BATCHING_SHOWN:
+            config.parameters[f"batching.{key}"].string_value = f"{getattr(b, key):g}"
+            if key in sources:
+                config.parameters[f"batching.{key}.source"].string_value = sources[key]
+    return protocol.ModelConfigResponse(config=config)
+
+
+def _duration(count: int, ns: int) -> Any:
+    return protocol.StatisticDuration(count=count, ns=ns)
+
+
+def statistics_message(models: Iterable[ServedVersion], cache: ResponseCache[Any] | None = None) -> Any:
+    """Triton's ModelStatistics of `models`, with the response cache's hits and misses for those that use it."""
+    response = protocol.ModelStatisticsResponse()
+    for m in models:
+        s = m.stats.snapshot()
+        stats = response.model_stats.add(
+            name=m.name,
+            version=m.version,
+            last_inference=s.last_inference_ms,
+            inference_count=s.inference_count,
+            execution_count=s.execution_count,
+        )
+        i = stats.inference_stats
+        i.success.CopyFrom(_duration(s.success_count, s.success_ns))
+        i.fail.CopyFrom(_duration(s.fail_count, s.fail_ns))
+        i.queue.CopyFrom(_duration(s.success_count, s.queue_ns))
+        # Per request, as Triton counts them (perf_analyzer needs the three compute counts equal).
+        i.compute_input.CopyFrom(_duration(s.success_count, 0))
+        i.compute_infer.CopyFrom(_duration(s.success_count, s.request_compute_ns))
+        i.compute_output.CopyFrom(_duration(s.success_count, 0))
+        if cache is not None and m.config.response_cache:
+            c = cache.counts(m.name, m.version)
+            i.cache_hit.CopyFrom(_duration(c.hits, 0))
+            i.cache_miss.CopyFrom(_duration(c.misses, 0))
+        for size, (count, ns) in sorted(s.batches.items()):
+            stats.batch_stats.add(batch_size=size, compute_infer=_duration(count, ns))
+    return response
+
+
+def index_message(rows: Iterable[VersionState]) -> Any:
+    response = protocol.RepositoryIndexResponse()
+    for row in rows:
+        response.models.add(name=row.name, version=row.version, state=row.state, reason=row.reason)
+    return response

@@ -1,0 +1,417 @@
+"""The data plane: what every front end asks of the served models, free of any transport.
+
+gRPC (service/frontends/grpc_api.py) and REST (service/frontends/rest_api.py) decode their wire format
+into an `InferRequest` (service/serving/dataplane_types.py), await `DataPlane.infer`, and encode the
+`InferResponse`; so requests of both batch together and share admission, limits, metrics, statistics,
+traces, the access log and every error message. `infer` is a line of small steps around the model's own
+`infer`: look the version up, refuse early, decode, infer, then count the answer everywhere it is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from ipaddress import ip_address
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from service import __version__
+from service.config import ServerSettings
+from service.datatypes import encode_bytes
+from service.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ServingError,
+    Unavailable,
+    clip,
+    quote,
+)
+from service.models.catalog import ServedVersion
+from service.models.classification import classify
+from service.models.kinds import Result
+from service.models.response_cache import ResponseCache
+from service.models.response_cache import key as cache_key
+from service.observability import logs
+from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
+from service.repository.layout import parse_config
+from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
+from service.serving.registry import READY, UNAVAILABLE, ModelRegistry, VersionState
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.observability.tracing import RequestTrace, Tracing
+
+__all__ = ["EXTENSIONS", "MAX_ID_CHARS", "MAX_PARAMETERS", "SERVER_NAME", "DataPlane", "ServerInfo"]
+
+SERVER_NAME = "qkv"
+EXTENSIONS = ("classification", "model_configuration", "statistics", "model_repository")
+MAX_PARAMETERS = 64  # a request's parameters, at most (qkv reads a handful; HTTP adds a few of Triton's)
+MAX_ID_CHARS = 256  # a request id (echoed in its answer); longer ones are refused
+# A request with more input elements than this is decoded on a worker thread, so that the event loop
+# answers others (and health checks) meanwhile; smaller ones cost less than the thread hop.
+THREAD_ELEMENTS = 1 << 14
+LARGE_FIELDS = 64  # a request with more entries than this in its inputs, outputs and parameters is large
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """ServerMetadata's answer."""
+
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+def _loopback(host: str) -> bool:
+    """Whether the server listens on loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class DataPlane:
+    """The served models as both front ends see them: health, metadata, statistics, the repository, and
+    inference. It also holds the server's serving state: draining, and the requests inside a model."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        settings: ServerSettings,
+        tracing: Tracing | None = None,
+        after_large: Callable[[], None] | None = None,
+        cache: ResponseCache[Result] | None = None,
+    ) -> None:
+        self.registry, self.metrics, self.settings, self.tracing = registry, metrics, settings, tracing
+        self.cache = cache  # --cache-size: answers of the models whose config.json enables response_cache
+        # Called after a large or refused request: the server hands the freed heap back to the system.
+        self._after_large = after_large
+        self.draining = False
+        self.active = 0  # requests inside a model right now
+        self.last_arrival = 0.0  # monotonic time of the latest inference request
+
+    @property
+    def traced(self) -> bool:
+        """Whether requests are traced: a front end hands over its call's metadata or headers only then."""
+        return self.tracing is not None
+
+    # --- health and metadata ------------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return not self.draining
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo(SERVER_NAME, __version__, EXTENSIONS)
+
+    def model(self, name: str, version: str = "") -> ServedVersion:
+        """The version asked for, or the newest ready one; NotFound or Unavailable saying why not."""
+        return self.registry.get(name, version)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.model(name, version)
+        except ServingError:
+            return False
+        return not self.draining
+
+    def versions(self, name: str) -> list[ServedVersion]:
+        """Every served version of `name`, oldest first."""
+        return self.registry.versions(name)
+
+    def statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
+        """The versions ModelStatistics reports: the one named, each of a model's, or every served one."""
+        if version:
+            return [self.model(name, version)]
+        if name:
+            return self.versions(name)
+        return self.registry.served()
+
+    def in_repository(self, name: str) -> bool:
+        """Whether `name` is a model of the repository (a metric may carry it as a label)."""
+        return name in self.registry.models
+
+    def index(self, ready_only: bool = False) -> list[VersionState]:
+        """The repository index; while draining, no version is READY."""
+        rows = self.registry.index(ready_only=ready_only)
+        if not self.draining:
+            return rows
+        return [VersionState(r.name, r.version, UNAVAILABLE, r.reason) if r.state == READY else r for r in rows]
+
+    # --- model control ------------------------------------------------------------------------------
+
+    async def load(self, name: str, parameters: Mapping[str, Parameter], repository: str = "") -> None:
+        """Load or reload `name`; parameter `config` (a config.json as a string) overrides its file."""
+        self._may_change_repository(repository)
+        raw = None
+        for key, value in parameters.items():
+            if key != "config":
+                raise InvalidArgument(
+                    f"load parameter {quote(key)} is not supported: qkv loads model files from its repository; "
+                    "'config' (a config.json as a string) is the one parameter"
+                )
+            try:
+                raw = parse_config(value)  # type: ignore[arg-type]  # bounded in size and depth: no RecursionError
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(
+                    f"failed to load {quote(name)}: load parameter 'config' is not JSON: {e}"
+                ) from None
+            if not isinstance(raw, dict):
+                raise InvalidArgument(
+                    f"failed to load {quote(name)}: load parameter 'config' must be a JSON object, "
+                    f"got {type(raw).__name__}"
+                )
+        await self.registry.load(name, raw)
+
+    async def unload(self, name: str, repository: str = "") -> None:
+        self._may_change_repository(repository)
+        await self.registry.unload(name)
+
+    def _may_change_repository(self, repository: str) -> None:
+        """Load and unload: only with model control on, and, without an admin token, only from loopback
+        (docs/security.md)."""
+        s = self.settings
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if repository:
+            raise InvalidArgument(f"unknown repository {quote(repository)}: qkv serves one, named ''")
+        if s.model_control_mode == "none":
+            raise FailedPrecondition(
+                "model control is off: start the server with --model-control-mode explicit (or poll) to load and "
+                "unload models"
+            )
+        if not s.admin_token_file and not _loopback(s.host):
+            raise PermissionDenied(
+                f"loading and unloading models needs --admin-token-file when the server listens on {s.host}, "
+                "beyond loopback"
+            )
+
+    # --- inference ----------------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse | ServingError:
+        """One inference request from start to finish, counted in the metrics and statistics (and traced,
+        when the server traces): its answer, or the ServingError to answer it with. The error is returned,
+        not raised, without its traceback: the frames would hold the request (up to --max-message-bytes)
+        in a cycle until a full garbage collection."""
+        start = time.perf_counter()
+        self.last_arrival = time.monotonic()
+        trace = self.tracing.start(request.trace_context, request.method) if self.tracing is not None else None
+        model: ServedVersion | None = None
+        code, seq_len = "OK", 0
+        outcome: InferResponse | ServingError | None = None
+        try:
+            model = self._lookup(request)
+            result = await self._admitted(model, request, trace)
+            seq_len = result.seq_len
+            self._count_tokens(model, result)
+            outcome = InferResponse(model.name, model.version, request.id, result.outputs)
+        except ServingError as e:
+            code = e.code
+            e.__context__ = e.__cause__ = None
+            outcome = e.with_traceback(None)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            self._account(model, code, seconds)
+            self._count_request(request, model, code, seconds, seq_len, trace)
+            if self.tracing is not None and trace is not None:
+                self.tracing.finish(trace, code, outcome, model, seq_len)
+            self._log_access(request, code, seconds, seq_len)
+            if model is not None:
+                model.in_flight.leave()
+            if self._after_large is not None and (code == "INVALID_ARGUMENT" or _large(request)):
+                self._after_large()
+        assert outcome is not None  # answered, or refused with a ServingError
+        return outcome
+
+    def _lookup(self, request: InferRequest) -> ServedVersion:
+        """The version the request names, counted in flight from here to its answer."""
+        if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
+            raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
+        model = self.model(request.model_name, request.model_version)
+        model.in_flight.enter()  # a leaving version is freed, and its series go, once none is held
+        self.metrics.inflight.labels(model.name, model.version).inc()
+        return model
+
+    async def _admitted(self, model: ServedVersion, request: InferRequest, trace: RequestTrace | None) -> Result:
+        """The model's result, for a request that passes the drain, admission and the model's checks."""
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        self.active += 1
+        try:
+            # What any request would be refused now is refused before its tensors are decoded:
+            # under overload, refusing is most of the work and must stay cheap.
+            model.admission.check(0, request.deadline)
+            _check_counts(request, model)
+            inputs = await _decode(request, model)
+            outputs = [o.name for o in request.outputs]
+            params = dict(request.parameters.items())
+            infer = partial(model.infer, inputs, outputs, params, request.deadline, trace)
+            cache = self.cache
+            if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
+                k = _cache_key(model, inputs, outputs, params)
+                result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
+            else:
+                result = await infer()
+            return replace(result, outputs=_classified(request, model, result.outputs))
+        finally:
+            self.active -= 1
+
+    def _count_tokens(self, model: ServedVersion, result: Result) -> None:
+        self.metrics.tokens.labels(model.name, model.version, "input").inc(result.tokens_in)
+        self.metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
+
+    def _account(self, model: ServedVersion | None, code: str, seconds: float) -> None:
+        """ModelStatistics: the request's outcome and time, on the version that took it."""
+        if model is None:
+            return
+        self.metrics.inflight.labels(model.name, model.version).dec()
+        model.stats.answered(code == "OK", int(seconds * 1e9))
+
+    def _count_request(
+        self,
+        request: InferRequest,
+        model: ServedVersion | None,
+        code: str,
+        seconds: float,
+        seq_len: int,
+        trace: RequestTrace | None,
+    ) -> None:
+        """qkv_requests_total, and the latency of a request answered OK."""
+        label, version = UNKNOWN_MODEL, ""
+        if model is not None:
+            label, version = model.name, model.version
+        elif self.in_repository(request.model_name):  # a model of the repository: its version unknown
+            label = request.model_name
+        self.metrics.requests.labels(label, version, code).inc()
+        if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
+            exemplar = trace.exemplar if trace is not None else None
+            self.metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds, exemplar)
+
+    def _log_access(self, request: InferRequest, code: str, seconds: float, seq_len: int) -> None:
+        """--access-log: one JSON line, whatever the client's strings hold."""
+        if self.settings.access_log:
+            line = {"model": clip(request.model_name), "seq_len": seq_len, "code": code, "ms": round(seconds * 1e3, 3)}
+            logs.access.info(json.dumps(line | {"id": clip(request.id)}))
+
+
+# Request parameters that change how an answer travels or when, never what it is: left out of cache keys.
+TRANSPORT_PARAMETERS = frozenset({"timeout", "priority", "binary_data_output", "triton_enable_empty_final_response"})
+
+
+def _cache_key(
+    model: ServedVersion, inputs: dict[str, np.ndarray], outputs: list[str], params: dict[str, Any]
+) -> bytes:
+    """All that determines an answer: the model version, each input's name, datatype, shape and bytes, the
+    outputs asked for, and the parameters that matter."""
+    # id(model): a version reloaded in place is another object, and never answers from its predecessor's entries
+    # (which go when the predecessor is freed, after its last request)
+    parts: list[bytes | str | int] = [model.name, model.version, id(model), len(inputs)]
+    for name in sorted(inputs):
+        a = inputs[name]
+        data = encode_bytes(a) if a.dtype == np.object_ else np.ascontiguousarray(a).tobytes()
+        parts += [name, a.dtype.str, repr(a.shape), data]
+    parts += [len(outputs), *sorted(outputs)]
+    kept = sorted((k, repr(v)) for k, v in params.items() if k not in TRANSPORT_PARAMETERS)
+    parts += [len(kept), *(x for kv in kept for x in kv)]
+    return cache_key(parts)
+
+
+def _result_bytes(result: Result) -> int:
+    """What an answer holds in memory, for the cache's bound."""
+    total = 0
+    for a in result.outputs.values():
+        total += a.nbytes + (sum(len(x) for x in a.reshape(-1)) if a.dtype == np.object_ else 0)
+    return total
+
+
+def _classified(request: InferRequest, model: ServedVersion, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES)."""
+    counts = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
+    if not counts:
+        return outputs
+    labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
+    out = dict(outputs)
+    for name, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidArgument(f"output {quote(name)}: classification must be an integer class count")
+        out[name] = classify(outputs[name], count, labels.get(name, ()), model.max_batch_size > 0, name)
+    return out
+
+
+def _elements(inputs: Sequence[InferInput]) -> int:
+    return sum(t.elements() for t in inputs)
+
+
+def _large(request: InferRequest) -> bool:
+    """Whether a request held many entries or elements (len() alone, for the entries)."""
+    fields = len(request.inputs) + len(request.outputs) + len(request.parameters)
+    return fields > LARGE_FIELDS or _elements(request.inputs) > THREAD_ELEMENTS
+
+
+def _misnamed(names: Sequence[InferInput] | Sequence[RequestedOutput], known: list[str], what: str, model: str) -> str:
+    """Why a sequence of `names` longer than `known` is refused: among its first len(known) + 1 entries,
+    one is unknown or named twice (only those are read, however many the request holds)."""
+    seen: set[str] = set()
+    for k in range(len(known) + 1):
+        name = names[k].name
+        if name not in known:
+            return f"model '{model}' has no {what} {quote(name)} ({what}s: {', '.join(sorted(known))})"
+        if name in seen:
+            return f"{what} {quote(name)} given twice"
+        seen.add(name)
+    return ""  # unreachable: len(known) + 1 names among len(known)
+
+
+def _check_counts(request: InferRequest, model: ServedVersion) -> None:
+    """The request's inputs, outputs and parameters counted against their limits (len(), which a front
+    end's view of its message answers without building anything) before any is read."""
+    inputs = [s.name for s in model.inputs]
+    if len(request.inputs) > len(inputs):
+        raise InvalidArgument(
+            f"{len(request.inputs)} inputs, model '{model.name}' takes {len(inputs)}: "
+            f"{_misnamed(request.inputs, inputs, 'input', model.name)}"
+        )
+    outputs = [s.name for s in model.outputs]
+    if len(request.outputs) > len(outputs):
+        raise InvalidArgument(
+            f"{len(request.outputs)} outputs requested, model '{model.name}' has {len(outputs)}: "
+            f"{_misnamed(request.outputs, outputs, 'output', model.name)}"
+        )
+    if len(request.parameters) > MAX_PARAMETERS:
+        raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS}")
+
+
+async def _decode(request: InferRequest, model: ServedVersion) -> dict[str, np.ndarray]:
+    """The request's input tensors as arrays. A large request is decoded on a worker thread, a slice at a
+    time, while the event loop goes on answering others."""
+    if _elements(request.inputs) > THREAD_ELEMENTS:
+        return await asyncio.to_thread(_read_inputs, request.inputs, model)
+    return _read_inputs(request.inputs, model)
+
+
+def _read_inputs(tensors: Sequence[InferInput], model: ServedVersion) -> dict[str, np.ndarray]:
+    known = {s.name for s in model.inputs}
+    inputs: dict[str, np.ndarray] = {}
+    for tensor in tensors:
+        name = tensor.name
+        if name in inputs:
+            raise InvalidArgument(f"input {quote(name)} given twice")
+        if name not in known:  # refused before its contents are read
+            raise InvalidArgument(
+                f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
+            )
+        inputs[name] = tensor.read(model.input_limits(name))
+    return inputs

@@ -1,0 +1,151 @@
+"""The data plane's request and answer, free of any transport: what gRPC and REST decode into.
+
+An input's elements are not in the request: it holds a `TensorSource`, where they are, read only once the
+model is known and the tensor's declared shape has passed that model's limits. gRPC's message and REST's
+body are sources today (service/frontends/codec.py); a shared-memory region is one more, and so is an
+array handed over in the process (`ArraySource`). Inputs, outputs and parameters are sequences and
+mappings so that a front end may hand them over as views of its message: the data plane counts them
+(len, which builds nothing) before it reads any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from service.datatypes import MAX_BYTES_ELEMENTS, MAX_DIMS, InputLimits, check_datatype, datatype_of
+from service.errors import InvalidArgument, quote
+
+__all__ = [
+    "ArraySource",
+    "InferInput",
+    "InferRequest",
+    "InferResponse",
+    "Parameter",
+    "RequestedOutput",
+    "TensorSource",
+    "TraceCarrier",
+    "checked_shape",
+]
+
+Parameter = bool | int | float | str  # the protocol's InferParameter choices
+TraceCarrier = Mapping[str, str] | Iterable[tuple[str, str]]  # HTTP headers or gRPC metadata
+
+
+def checked_shape(name: str, datatype: str, dims: Sequence[int], limits: InputLimits) -> tuple[tuple[int, ...], int]:
+    """An input's declared shape and its element count, every count checked against `limits` before
+    anything is allocated (zeros aside, so [0, 2**62] is refused too: numpy could not hold it)."""
+    check_datatype(name, datatype)
+    if len(dims) > MAX_DIMS:  # counted before the shape becomes Python ints
+        raise InvalidArgument(f"input {quote(name)}: shape has {len(dims)} dimensions, the limit is {MAX_DIMS}")
+    shape = tuple(int(d) for d in dims)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"input {quote(name)}: negative dimension in shape {list(shape)}")
+    count, extent = 1, 1
+    for d in shape:
+        count *= d
+        extent *= max(d, 1)
+        if extent > limits.elements:
+            aside = " (zero dimensions aside)" if 0 in shape else ""
+            unit = "BYTES elements" if datatype == "BYTES" else "elements"
+            why = f": {limits.why}" if limits.why else ""
+            raise InvalidArgument(
+                f"input {quote(name)}: shape {list(shape)} exceeds the limit of {limits.elements} {unit}{aside}{why}"
+            )
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
+        # Decoding BYTES is a Python loop per element: bound it before it can hold the event loop.
+        raise InvalidArgument(f"input {quote(name)}: {count} BYTES elements, the limit is {MAX_BYTES_ELEMENTS}")
+    return shape, count
+
+
+class TensorSource(Protocol):
+    """Where an input tensor's elements are, not yet read."""
+
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        """The elements as an array of the declared `shape`, each count checked against `limits` before
+        any element is touched; InvalidArgument naming the input when they do not match."""
+        ...
+
+
+@dataclass(frozen=True)
+class ArraySource:
+    """Elements already in an array of this process (a caller of the data plane that holds numpy)."""
+
+    array: np.ndarray
+
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        shape, _ = checked_shape(name, datatype, shape, limits)
+        if self.array.shape != shape or datatype_of(self.array) != datatype:
+            raise InvalidArgument(
+                f"input {quote(name)}: an array of {datatype_of(self.array)} {list(self.array.shape)}, declared "
+                f"{datatype} {list(shape)}"
+            )
+        return self.array
+
+
+@dataclass(frozen=True)
+class InferInput:
+    """One input tensor as declared (datatype and shape unchecked until read), and where its elements are."""
+
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    source: TensorSource
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> InferInput:
+        """An in-process array as an input."""
+        return cls(name, datatype_of(array), array.shape, ArraySource(array))
+
+    def elements(self) -> int:
+        """The elements the shape declares, counted without building it (0 when it is invalid: `read` says
+        why)."""
+        if len(self.shape) > MAX_DIMS:
+            return 0
+        count = 1
+        for d in self.shape:
+            count *= max(int(d), 0)
+        return count
+
+    def read(self, limits: InputLimits) -> np.ndarray:
+        return self.source.read(self.name, self.datatype, self.shape, limits)
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    """An output the client asked for, and its parameters (REST's binary_data; shared memory, later)."""
+
+    name: str
+    parameters: Mapping[str, Parameter] = field(default_factory=dict)
+
+
+@dataclass
+class InferRequest:
+    """One inference request, as every front end hands it to the data plane.
+
+    `deadline`: time.monotonic() by which it must be answered (None: no deadline). `trace_context`: the
+    call's metadata or headers, read only for a W3C trace context when the server traces; `method`: what
+    the trace calls the call (the RPC's name, or HTTP's "POST /v2/models/{model}/infer")."""
+
+    model_name: str
+    model_version: str = ""
+    id: str = ""
+    inputs: Sequence[InferInput] = ()
+    outputs: Sequence[RequestedOutput] = ()
+    parameters: Mapping[str, Parameter] = field(default_factory=dict)
+    deadline: float | None = None
+    trace_context: TraceCarrier | None = None
+    method: str = "ModelInfer"
+
+
+@dataclass
+class InferResponse:
+    """A request's answer: its outputs, in the model's order, as arrays (their datatype is the array's)."""
+
+    model_name: str
+    model_version: str
+    id: str
+    outputs: dict[str, np.ndarray]
