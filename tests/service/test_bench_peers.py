@@ -45,7 +45,9 @@ def test_qkv_beside_the_plain_grpc_peer(tmp_path: Path) -> None:
     header, rule, ceiling, *rows = table.splitlines()
     assert header == "| server | seq 16 c32: served / ceiling (req/s) | seq 64 c1: p50 ms | not OK |"
     assert rule == "|---|---|---|---|"
-    assert re.fullmatch(r"\| ceiling, in process \| \d+ seq/s \(batch (1|8|32)\) \| [\d.]+ \(compute\) \| \|", ceiling)
+    assert re.fullmatch(
+        r"\| ceiling, in process \| \d+ seq/s \(batch (1|8|32)\) \| [\d.]+ \(compute, \d+ threads?\) \| \|", ceiling
+    )
     assert [r.split(" | ")[0] for r in rows] == ["| qkv", "| plain", "| qkv / best peer (above 1: qkv ahead)"]
     for row in rows[:2]:
         assert re.fullmatch(r"\| \w+ \| [\d.]+ \(\d+\) \| [\d.]+ \| 0 \|", row), row
