@@ -3,6 +3,7 @@
     qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
     qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
     qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
+    qkv bench --peers                         # beside Triton, MLServer, plain grpc.aio (makes their venvs)
 
 Every served figure is a ratio to a figure measured in the same run on the same machine (the
 in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
@@ -57,6 +58,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
     parser.add_argument("--protocols", action="store_true", help="HTTP/REST against gRPC: c1 latency, throughput")
     parser.add_argument("--versions", action="store_true", help="g2p's versions side by side: words/s, p50/p99")
+    parser.add_argument("--peers", action="store_true", help="zoo_medium on qkv, Triton, MLServer, plain grpc.aio")
+    parser.add_argument("--peer-set", default="plain,triton,mlserver", help="--peers: which peers beside qkv")
+    parser.add_argument("--peer-python", action="append", default=[], metavar="PEER=PYTHON",
+                        help="--peers: run PEER with this interpreter, not an environment made for it")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="--peers: seq 16 only, 1 s a cell: a smoke test")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -85,6 +91,15 @@ def main(argv: list[str]) -> int:
 
         print(zoo_table(zoo_benchmark(args.out, args.seconds)))
         print(f"wrote {args.out / 'zoo.json'}, {args.out / 'zoo.md'}")
+        return 0
+    if args.peers:
+        from service.bench.peers import peers_benchmark, peers_table
+
+        python = {k: Path(v).absolute() for k, _, v in (x.partition("=") for x in args.peer_python)}
+        peer_set = tuple(args.peer_set.split(",")) if args.peer_set else ()
+        lengths, seconds = ((16,), 1.0) if args.quick else ((16, 64, 256), args.seconds)
+        print(peers_table(peers_benchmark(args.out, seconds, peer_set, lengths, python)))
+        print(f"wrote {args.out / 'peers.json'}, {args.out / 'peers.md'}")
         return 0
     if args.protocols:
         from service.bench.protocols import protocols, protocols_table
@@ -157,8 +172,26 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: must be a directory, not a file")
     if args.perf_analyzer:
         readable_file(args.perf_analyzer, "perf_analyzer")
-    if not args.zoo and not args.model_repository.is_dir():  # the zoo brings its own models
+    if args.peers:
+        _check_peers(args.peer_set, args.peer_python)
+    if not (args.zoo or args.peers) and not args.model_repository.is_dir():  # the zoo brings its own models
         raise UsageError(f"model repository not found: {args.model_repository}")
+
+
+def _check_peers(peer_set: str, peer_python: list[str]) -> None:
+    """--peer-set names known peers; each --peer-python is PEER=PYTHON with an interpreter that exists."""
+    from service.bench.peers import PEERS
+
+    unknown = set(filter(None, peer_set.split(","))) - set(PEERS)
+    if unknown:
+        raise UsageError(
+            f"--peer-set {peer_set}: no peer {', '.join(sorted(unknown))} (choose from {', '.join(PEERS)})"
+        )
+    for text in peer_python:
+        name, eq, python = text.partition("=")
+        if not eq or name not in PEERS:
+            raise UsageError(f"--peer-python {text}: must be PEER=PYTHON, PEER one of {', '.join(PEERS)}")
+        readable_file(Path(python), "--peer-python interpreter")
 
 
 def _lengths(text: str) -> tuple[int, int]:
