@@ -36,7 +36,8 @@ from service.errors import (
     clip,
     quote,
 )
-from service.frontends.codec import decode_tensor, element_count, fill_output
+from service.frontends import shared_memory
+from service.frontends.codec import decode_tensor, element_count
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.models.kinds import ModelStats, TensorModel
 from service.observability import logs
@@ -135,7 +136,9 @@ class InferenceService:
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return protocol.ServerMetadataResponse(
-            name="qkv", version=__version__, extensions=["model_configuration", "statistics", "model_repository"]
+            name="qkv",
+            version=__version__,
+            extensions=["model_configuration", "statistics", "model_repository", *self.server.shared_memory.extensions],
         )
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -367,6 +370,7 @@ class InferenceService:
         server.last_arrival = time.monotonic()
         metrics = server.metrics
         model: Model | None = None
+        memory: shared_memory.RequestMemory | None = None  # the regions its tensors name, leased until the end
         try:
             if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
                 raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
@@ -382,7 +386,8 @@ class InferenceService:
                 # under overload, refusing is most of the work and must stay cheap.
                 model.admission.check(0, deadline)
                 _check_counts(request, model)
-                inputs = await self._decode(request, model)
+                memory = server.shared_memory.attach(request)
+                inputs = await self._decode(request, model, memory)
                 outputs = [o.name for o in request.outputs]
                 result = await model.infer(inputs, outputs, _parameters(request.parameters), deadline, trace)
             finally:
@@ -392,7 +397,9 @@ class InferenceService:
             metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
             response = protocol.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
             for name, array in result.outputs.items():
-                response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
+                response.raw_output_contents.append(
+                    shared_memory.place_output(memory, response.outputs.add(name=name), array)
+                )
             outcome = response
         except ServingError as e:
             code = e.code
@@ -431,16 +438,20 @@ class InferenceService:
                 logs.access.info(json.dumps(line | {"id": clip(request.id)}))
             if model is not None:
                 model.answering -= 1
+            if memory is not None:
+                memory.close()
             if code == "INVALID_ARGUMENT" or _large(request):
                 server.return_memory_later()
         return outcome
 
-    async def _decode(self, request: Any, model: Model) -> dict[str, np.ndarray]:
+    async def _decode(
+        self, request: Any, model: Model, memory: shared_memory.RequestMemory | None
+    ) -> dict[str, np.ndarray]:
         """The request's input tensors as arrays (counts checked by `_check_counts`). A large request is
         decoded on a worker thread, a slice at a time, while the event loop goes on answering others."""
         if sum(element_count(t) for t in request.inputs) > THREAD_ELEMENTS:
-            return await asyncio.to_thread(_decode_inputs, request, model)
-        return _decode_inputs(request, model)
+            return await asyncio.to_thread(_decode_inputs, request, model, memory)
+        return _decode_inputs(request, model, memory)
 
 
 def _misnamed(names: Any, known: list[str], what: str, model: Model) -> str:
@@ -473,8 +484,9 @@ def _check_counts(request: Any, model: Model) -> None:
             f"{_misnamed(request.inputs, inputs, 'input', model)}"
         )
     raw = len(request.raw_input_contents)
-    if raw and raw != len(request.inputs):
-        raise InvalidArgument(f"{raw} raw_input_contents for {len(request.inputs)} inputs: give one per input")
+    carried = len(request.inputs) - shared_memory.shared_inputs(request)  # those in shared memory have none
+    if raw and raw != carried:
+        raise InvalidArgument(f"{raw} raw_input_contents for {carried} inputs not in shared memory: give one per input")
     outputs = [s.name for s in model.outputs]
     if len(request.outputs) > len(outputs):
         raise InvalidArgument(
@@ -485,11 +497,12 @@ def _check_counts(request: Any, model: Model) -> None:
         raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS}")
 
 
-def _decode_inputs(request: Any, model: Model) -> dict[str, np.ndarray]:
+def _decode_inputs(request: Any, model: Model, memory: shared_memory.RequestMemory | None) -> dict[str, np.ndarray]:
     raw = request.raw_input_contents
     known = {s.name for s in model.inputs}
     inputs: dict[str, np.ndarray] = {}
-    for k, tensor in enumerate(request.inputs):
+    k = 0  # the next raw_input_contents entry: inputs in shared memory have none
+    for tensor in request.inputs:
         name = tensor.name
         if name in inputs:
             raise InvalidArgument(f"input {quote(name)} given twice")
@@ -497,9 +510,60 @@ def _decode_inputs(request: Any, model: Model) -> dict[str, np.ndarray]:
             raise InvalidArgument(
                 f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
             )
-        contents = partial(raw.__getitem__, k) if len(raw) else None  # read once the shape passed its limits
+        # Read once the shape passed its limits: from its shared memory region, or its raw contents.
+        contents = memory.contents(tensor) if memory is not None else None
+        if contents is None and len(raw):
+            contents, k = partial(raw.__getitem__, k), k + 1
         inputs[name] = decode_tensor(tensor, contents, model.input_limits(name))
     return inputs
+
+
+class SharedMemoryService:
+    """Triton's shared memory RPCs (service/frontends/shared_memory.py): system shared memory, and CUDA shared
+    memory answered UNIMPLEMENTED. Served beside InferenceService, on the same service name."""
+
+    def __init__(self, server: Server) -> None:
+        self.regions, self.tokens = server.shared_memory, server._tokens
+
+    def _may_change(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        host = shared_memory.peer_host(context.peer())
+        shared_memory.check_may_change(
+            host, authorization if isinstance(authorization, str) else None, self.tokens, what
+        )
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ServingError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        response = protocol.SystemSharedMemoryStatusResponse()
+        for s in await self._call(context, self.regions.status, request.name):
+            response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call(context, self._may_change, context, "registering shared memory")
+        await self._call(context, self.regions.register, request.name, request.key, request.offset, request.byte_size)
+        return protocol.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call(context, self._may_change, context, "unregistering shared memory")
+        await self._call(context, self.regions.unregister, request.name)
+        return protocol.SystemSharedMemoryUnregisterResponse()
+
+    async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, shared_memory.CUDA_UNIMPLEMENTED)
+
+    CudaSharedMemoryStatus = CudaSharedMemoryRegister = _no_cuda
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Every region (no name): there is none, so done; Triton's examples begin so.
+        if request.name:
+            await self._no_cuda(request, context)
+        return protocol.message_class("CudaSharedMemoryUnregisterResponse")()
 
 
 class Server:
@@ -514,6 +578,9 @@ class Server:
         priority.configure(settings.compute_nice)
         self.tracing = _tracing(settings)
         self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing)
+        self.shared_memory = shared_memory.SharedMemoryRegistry(
+            settings.shared_memory_max_regions, settings.shared_memory_max_bytes, settings.max_message_bytes
+        )
         self.draining = False
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
@@ -558,6 +625,7 @@ class Server:
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         service = InferenceService(self)  # one data plane: the HTTP/REST front end calls the same service
         server.add_generic_rpc_handlers((protocol.generic_handler(service),))
+        server.add_generic_rpc_handlers((protocol.generic_handler(SharedMemoryService(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
@@ -621,6 +689,7 @@ class Server:
         if self._http is not None:
             await self._http.stop()
         await self.registry.close()
+        self.shared_memory.close()
         if self._trim is not None:
             self._trim.cancel()
         if self.tracing is not None:  # export what is buffered, for tracing.SHUTDOWN_S at most

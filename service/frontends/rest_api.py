@@ -19,6 +19,7 @@ import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -30,6 +31,7 @@ from aiohttp.web_protocol import ERROR, RequestPayloadError
 from service import protocol
 from service.datatypes import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
+from service.frontends import shared_memory
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
@@ -189,6 +191,11 @@ class RestServer:
             "load": _Route("repository_load", "POST", self._load, repository=True),
             "unload": _Route("repository_unload", "POST", self._unload, repository=True),
         }
+        self._shared_memory_routes: dict[str, tuple[str, Callable[..., Awaitable[web.Response]]]] = {
+            "status": ("GET", self._shm_status),  # each takes the region's name first ("": every region)
+            "register": ("POST", self._shm_register),
+            "unregister": ("POST", self._shm_unregister),
+        }
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -246,6 +253,8 @@ class RestServer:
                     version, tail = tail[1], tail[2:]
                 if len(tail) <= 1:
                     route = self._model_routes.get(tail[0] if tail else "")
+            if route is None and rest[:1] in (("systemsharedmemory",), ("cudasharedmemory",)):
+                route = self._shared_memory_route(rest)
         if route is None:
             raise _Refused(404, f"no endpoint {quote(raw)}: the v2 protocol's paths start /v2 (docs/design.md)")
         if request.method != route.method and not (route.method == "GET" and request.method == "HEAD"):
@@ -382,6 +391,60 @@ class RestServer:
         only_ready = bool(parse_json(body).get("ready", False)) if body.strip() else False
         models = message_json(await self._call("RepositoryIndex", protocol.RepositoryIndexRequest()))["models"]
         return _json([m for m in models if not only_ready or m["state"] == "READY"])
+
+    # --- Triton's shared memory extensions (service/frontends/shared_memory.py) -------------------------
+
+    def _shared_memory_route(self, rest: tuple[str, ...]) -> _Route | None:
+        """KIND[/region/NAME]/status, KIND/region/NAME/register, KIND[/region/NAME]/unregister, KIND being
+        systemsharedmemory or cudasharedmemory (answered 501: qkv has none)."""
+        tail, name = list(rest[1:]), ""
+        if len(tail) == 3 and tail[0] == "region":
+            name, tail = tail[1], tail[2:]
+        if len(tail) != 1 or tail[0] not in self._shared_memory_routes or (tail[0] == "register" and not name):
+            return None
+        method, handler = self._shared_memory_routes[tail[0]]
+        if rest[0] == "cudasharedmemory":  # every region unregistered: there is none, so done
+            done = tail[0] == "unregister" and not name
+            return _Route("cuda_shared_memory", method, self._no_cuda_left if done else self._no_cuda)
+        return _Route(f"shared_memory_{tail[0]}", method, partial(handler, name))
+
+    async def _no_cuda(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        return _error(HTTP_STATUS["UNIMPLEMENTED"], shared_memory.CUDA_UNIMPLEMENTED)
+
+    async def _no_cuda_left(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        await self._body(request)
+        return web.Response(status=200)
+
+    def _may_change_shm(self, request: web.BaseRequest, what: str) -> None:
+        authorization = request.headers.get("Authorization")
+        offered = authorization if authorization is not None and _utf8(authorization) else None
+        shared_memory.check_may_change(request.remote, offered, self.tokens, what)
+
+    async def _shm_status(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        regions = self.service.server.shared_memory.status(name)
+        return _json([vars(s) for s in regions])
+
+    async def _shm_register(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        """Body: {"key": "/NAME", "offset": 0, "byte_size": N} (offset optional)."""
+        self._may_change_shm(request, "registering shared memory")
+        doc = parse_json(await self._body(request))
+        key = doc.get("key")
+        if not isinstance(key, str):
+            raise InvalidArgument('the body must have "key": the shared memory object\'s name, a string')
+        sizes = []
+        for field, default in (("offset", 0), ("byte_size", None)):
+            value = doc.get(field, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f'"{field}" must be a non-negative integer')
+            sizes.append(value)
+        self.service.server.shared_memory.register(name, key, *sizes)
+        return web.Response(status=200)
+
+    async def _shm_unregister(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        self._may_change_shm(request, "unregistering shared memory")
+        await self._body(request)  # empty, as Triton's
+        self.service.server.shared_memory.unregister(name)
+        return web.Response(status=200)
 
     # --- inference ------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 from service import protocol
 from service.datatypes import MAX_DIMS, NUMPY_DTYPES, decode_bytes, encode_bytes
 from service.errors import InvalidArgument, quote
+from service.frontends import shared_memory
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -235,7 +236,11 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
         if not isinstance(tensor_params, dict):
             raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
         binary = tensor_params.get(BINARY_SIZE)
-        if binary is not None:
+        if shared_memory.REGION in tensor_params:  # read from the region by service.frontends.shared_memory
+            if binary is not None or "data" in tensor:
+                raise InvalidArgument(f"input {quote(name)}: both a shared memory region and data given")
+            _shared_memory_parameters(request.inputs[-1].parameters, tensor_params, f"input {quote(name)}")
+        elif binary is not None:
             if "data" in tensor:
                 raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
             if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
@@ -265,7 +270,15 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
             raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
         if "binary_data" in out_params:
             parsed.binary_outputs[name] = bool(out_params["binary_data"])
+        _shared_memory_parameters(request.outputs[-1].parameters, out_params, f"output {quote(name)}")
     return parsed
+
+
+def _shared_memory_parameters(target: Any, params: dict[str, Any], what: str) -> None:
+    """A tensor's shared memory parameters (and no other) onto its protobuf message."""
+    chosen = {k: v for k, v in params.items() if k in shared_memory.PARAMETERS}
+    if chosen:
+        set_parameters(target, chosen, f"{what}: parameters")
 
 
 def _json_data(datatype: str, shape: list[int], raw: bytes) -> list[Any]:
@@ -294,7 +307,11 @@ def encode_infer(response: Any, parsed: InferBody) -> tuple[bytes, int | None]:
     for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         shape = list(tensor.shape)
         out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": shape}
-        if parsed.binary(tensor.name):
+        if shared_memory.REGION in tensor.parameters:  # written into the region: where, and no data
+            out["parameters"] = {
+                k: getattr(p, str(p.WhichOneof("parameter_choice"))) for k, p in tensor.parameters.items()
+            }
+        elif parsed.binary(tensor.name):
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
         else:
