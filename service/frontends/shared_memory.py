@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from service.datatypes import NUMPY_DTYPES
-from service.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, ServingError, quote
+from service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
 from service.frontends.codec import element_count, fill_output
 from service.frontends.security import BearerTokens
 
@@ -42,7 +42,6 @@ __all__ = [
     "OFFSET",
     "PARAMETERS",
     "REGION",
-    "AlreadyExists",
     "RegionStatus",
     "RequestMemory",
     "SharedMemoryRegistry",
@@ -62,10 +61,6 @@ MAX_KEY_CHARS = 255  # a shared memory object's name (NAME_MAX)
 CUDA_UNIMPLEMENTED = (
     "qkv has no CUDA shared memory: register system shared memory (the system_shared_memory extension) instead"
 )
-
-
-class AlreadyExists(ServingError):
-    code = "ALREADY_EXISTS"
 
 
 @dataclass(frozen=True)
