@@ -65,6 +65,10 @@ class ServerSettings:
     cache_size: int = _setting(
         64 << 20, "bytes of answers the response cache may hold, all models together (0: no cache)"
     )
+    shared_memory_max_regions: int = _setting(
+        64, "system shared memory regions open at once (registered, or unregistered and still in use), at most; 0: off"
+    )
+    shared_memory_max_bytes: int = _setting(1 << 30, "bytes of all open system shared memory regions together, at most")
     access_log: bool = _setting(False, "one JSON line per request on stderr")
     metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")
     log_level: str = _setting("info", "debug, info, warning or error")

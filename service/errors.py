@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "QUOTE_CHARS",
+    "AlreadyExists",
     "Cancelled",
     "DeadlineExceeded",
     "FailedPrecondition",
@@ -67,6 +68,10 @@ class InvalidArgument(ServingError):
 
 class NotFound(ServingError):
     code = "NOT_FOUND"
+
+
+class AlreadyExists(ServingError):
+    code = "ALREADY_EXISTS"
 
 
 class ResourceExhausted(ServingError):

@@ -23,8 +23,10 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__, priority, protocol
 from service.config import ServerSettings
+from service.frontends import shared_memory
 from service.frontends.grpc_api import InferenceService
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
+from service.frontends.shared_memory_grpc import SharedMemoryService
 from service.models.kinds import Result
 from service.models.response_cache import ResponseCache
 from service.observability import logs
@@ -83,6 +85,9 @@ class Server:
         self.plane = DataPlane(
             self.registry, self.metrics, settings, self.tracing, self.return_memory_later, self.cache
         )
+        self.shared_memory = shared_memory.SharedMemoryRegistry(
+            settings.shared_memory_max_regions, settings.shared_memory_max_bytes, settings.max_message_bytes
+        )
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -127,7 +132,11 @@ class Server:
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
-        server.add_generic_rpc_handlers((protocol.generic_handler(InferenceService(self.plane)),))
+        service = InferenceService(self.plane, self.shared_memory)
+        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
+        server.add_generic_rpc_handlers(
+            (protocol.generic_handler(SharedMemoryService(self.shared_memory, self._tokens)),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
@@ -148,7 +157,7 @@ class Server:
         if s.http_port >= 0:
             from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 
-            self._http = RestServer(self.plane, self.metrics, s, self._tokens, ssl_context(s))
+            self._http = RestServer(self.plane, self.metrics, s, self._tokens, ssl_context(s), self.shared_memory)
             self.http_port = self._http.bind(s.host, s.http_port)
         await self.registry.start()  # the ports are bound (one in use stops the start), not yet serving
         await server.start()
@@ -194,6 +203,7 @@ class Server:
         if self._http is not None:
             await self._http.stop()
         await self.registry.close(max(CLOSE_FLOOR_S, deadline - time.monotonic()))
+        self.shared_memory.close()
         if self._trim is not None:
             self._trim.cancel()
         if self.tracing is not None:  # export what is buffered, for tracing.SHUTDOWN_S at most

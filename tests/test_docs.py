@@ -418,10 +418,14 @@ def test_every_http_endpoint_label_is_documented() -> None:
 
     from service.frontends.rest_api import RestServer
     from service.frontends.security import BearerTokens
+    from service.frontends.shared_memory import SharedMemoryRegistry
     from service.observability.metrics import Metrics
 
-    rest = RestServer(SimpleNamespace(), Metrics(enabled=False), SimpleNamespace(), BearerTokens([]), None)  # type: ignore[arg-type]
+    regions = SharedMemoryRegistry(0, 0, 0)
+    rest = RestServer(SimpleNamespace(), Metrics(enabled=False), SimpleNamespace(), BearerTokens([]), None, regions)  # type: ignore[arg-type]
     routes = [*rest._model_routes.values(), *rest._server_routes.values(), *rest._repository_routes.values()]
+    shared = [("systemsharedmemory", "region", "r", kind) for kind in ("status", "register", "unregister")]
+    routes += [r for path in [*shared, ("cudasharedmemory", "status")] if (r := rest._shared_memory_route(path))]
     rows = table(section(DESIGN, "Metrics"), "label")
     [cell] = [row[1] for row in rows if row[0] == "`endpoint`"]
     documented_endpoints = set(codes(cell)) - {"qkv_http_requests_total"}
@@ -437,7 +441,12 @@ def _status_codes() -> set[str]:
         cls = pending.pop()
         found.add(cls.code)
         pending += cls.__subclasses__()
-    for path in ("frontends/grpc_api.py", "frontends/security.py", "protocol/__init__.py"):
+    for path in (
+        "frontends/grpc_api.py",
+        "frontends/shared_memory_grpc.py",
+        "frontends/security.py",
+        "protocol/__init__.py",
+    ):
         found |= set(re.findall(r"grpc\.StatusCode\.([A-Z_]+)", (ROOT / "service" / path).read_text()))
     return found
 

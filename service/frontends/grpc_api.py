@@ -19,7 +19,8 @@ from grpc.aio import ServicerContext as Context
 
 from service import protocol
 from service.errors import ServingError
-from service.frontends.codec import MessageSource, fill_output
+from service.frontends import shared_memory
+from service.frontends.codec import MessageSource
 from service.frontends.messages import (
     config_message,
     index_message,
@@ -65,10 +66,18 @@ class _Parameters(Mapping[str, Parameter]):
 class _Inputs(Sequence[InferInput]):
     """A ModelInferRequest's input tensors, each built when it is read."""
 
-    def __init__(self, message: Any) -> None:
-        self._tensors, self._raw = message.inputs, message.raw_input_contents
+    def __init__(self, message: Any, memory: shared_memory.RequestMemory | None = None) -> None:
+        self._tensors, self._raw, self._memory = message.inputs, message.raw_input_contents, memory
         raw, n = len(self._raw), len(self._tensors)
-        self._refused = f"{raw} raw_input_contents for {n} inputs: give one per input" if raw and raw != n else ""
+        # inputs in shared memory have no raw_input_contents entry: the others' entries, in order
+        self._raw_index: dict[int, int] | None = None
+        if memory is not None and memory.inputs:
+            others = [i for i, t in enumerate(self._tensors) if t.name not in memory.inputs]
+            self._raw_index, n = {i: j for j, i in enumerate(others)}, len(others)
+        where = " not in shared memory" if self._raw_index is not None else ""
+        self._refused = (
+            f"{raw} raw_input_contents for {n} inputs{where}: give one per input" if raw and raw != n else ""
+        )
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -81,7 +90,10 @@ class _Inputs(Sequence[InferInput]):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         t = self._tensors[k]
-        raw = partial(self._raw.__getitem__, k) if len(self._raw) and not self._refused else None
+        raw = self._memory.contents(t) if self._memory is not None else None  # read from its region
+        if raw is None and len(self._raw) and not self._refused:
+            j = k if self._raw_index is None else self._raw_index[k]
+            raw = partial(self._raw.__getitem__, j)
         return InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
 
 
@@ -105,14 +117,17 @@ class _Outputs(Sequence[RequestedOutput]):
         return RequestedOutput(o.name, _Parameters(o.parameters))
 
 
-def decode_request(message: Any, context: Context, plane: DataPlane, method: str) -> InferRequest:
-    """A ModelInferRequest -> the data plane's request; the call's deadline is the request's."""
+def decode_request(
+    message: Any, context: Context, plane: DataPlane, method: str, memory: shared_memory.RequestMemory | None = None
+) -> InferRequest:
+    """A ModelInferRequest -> the data plane's request; the call's deadline is the request's. `memory`: the
+    shared memory regions its tensors name, leased."""
     remaining = context.time_remaining()
     return InferRequest(
         model_name=message.model_name,
         model_version=message.model_version,
         id=message.id,
-        inputs=_Inputs(message),
+        inputs=_Inputs(message, memory),
         outputs=_Outputs(message.outputs),
         parameters=_Parameters(message.parameters),
         deadline=time.monotonic() + remaining if remaining is not None else None,
@@ -121,14 +136,27 @@ def decode_request(message: Any, context: Context, plane: DataPlane, method: str
     )
 
 
-def encode_response(answer: InferResponse) -> Any:
-    """The data plane's answer -> a ModelInferResponse, every output in raw_output_contents."""
+def encode_response(answer: InferResponse, memory: shared_memory.RequestMemory | None = None) -> Any:
+    """The data plane's answer -> a ModelInferResponse, every output in raw_output_contents (empty for one
+    written into its shared memory region)."""
     response = protocol.ModelInferResponse(
         model_name=answer.model_name, model_version=answer.model_version, id=answer.id
     )
     for name, array in answer.outputs.items():
-        response.raw_output_contents.append(fill_output(response.outputs.add(name=name), array))
+        response.raw_output_contents.append(shared_memory.place_output(memory, response.outputs.add(name=name), array))
     return response
+
+
+# A message naming more tensors than this is not searched for shared memory regions: no model has as many,
+# and the data plane refuses it by its counts before reading any.
+MAX_SHARED_TENSORS = 1024
+
+
+async def _attached(regions: shared_memory.SharedMemoryRegistry, message: Any) -> shared_memory.RequestMemory | None:
+    """The regions a request's tensors name, leased (None: it names none); an error is the request's answer."""
+    if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
+        return None
+    return regions.attach(message)
 
 
 async def _abort(context: Context, e: ServingError) -> NoReturn:
@@ -158,8 +186,8 @@ async def _awaited(context: Context, work: Awaitable[T]) -> T:
 class InferenceService:
     """inference.GRPCInferenceService over the data plane."""
 
-    def __init__(self, plane: DataPlane) -> None:
-        self.plane = plane
+    def __init__(self, plane: DataPlane, regions: shared_memory.SharedMemoryRegistry) -> None:
+        self.plane, self.regions = plane, regions
 
     async def ServerLive(self, request: Any, context: Context) -> Any:
         return protocol.ServerLiveResponse(live=self.plane.live())
@@ -171,7 +199,7 @@ class InferenceService:
         return protocol.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request: Any, context: Context) -> Any:
-        return server_metadata_message(self.plane.server_info())
+        return server_metadata_message(self.plane.server_info(), self.regions.extensions)
 
     async def ModelMetadata(self, request: Any, context: Context) -> Any:
         m = await _answered(context, partial(self.plane.model, request.name, request.version))
@@ -197,10 +225,21 @@ class InferenceService:
         return protocol.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: Any, context: Context) -> Any:
-        outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelInfer"))
-        if isinstance(outcome, ServingError):
-            await _abort(context, outcome)
-        return encode_response(outcome)
+        try:
+            memory = await _attached(self.regions, request)
+        except ServingError as e:
+            await _abort(context, e)
+        try:
+            outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelInfer", memory))
+            if isinstance(outcome, ServingError):
+                await _abort(context, outcome)
+            try:
+                return encode_response(outcome, memory)
+            except ServingError as e:  # an output that does not fit its region
+                await _abort(context, e)
+        finally:
+            if memory is not None:
+                memory.close()
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
         """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
@@ -213,8 +252,18 @@ class InferenceService:
         window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def answer(request: Any) -> None:
-            outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelStreamInfer"))
-            answers.put_nowait(_stream_answer(request, outcome))
+            memory = None
+            try:
+                memory = await _attached(self.regions, request)
+                outcome = await self.plane.infer(
+                    decode_request(request, context, self.plane, "ModelStreamInfer", memory)
+                )
+                answers.put_nowait(_stream_answer(request, outcome, memory))
+            except ServingError as e:
+                answers.put_nowait(_stream_answer(request, e))
+            finally:
+                if memory is not None:
+                    memory.close()
 
         async def read() -> str | None:
             """Start each request as it arrives; when the client is done sending, finish what it sent.
@@ -247,11 +296,16 @@ class InferenceService:
                 task.cancel()
 
 
-def _stream_answer(request: Any, outcome: InferResponse | ServingError) -> Any:
+def _stream_answer(
+    request: Any, outcome: InferResponse | ServingError, memory: shared_memory.RequestMemory | None = None
+) -> Any:
     """A ModelStreamInferResponse: the answer, or the error as `STATUS: message` with the request's id and
     model, so that a client can tell which request failed."""
     if not isinstance(outcome, ServingError):
-        return protocol.ModelStreamInferResponse(infer_response=encode_response(outcome))
+        try:
+            return protocol.ModelStreamInferResponse(infer_response=encode_response(outcome, memory))
+        except ServingError as e:  # an output that does not fit its region
+            outcome = e
     hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
     named = protocol.ModelInferResponse(model_name=request.model_name[:MAX_ID_CHARS], id=request.id[:MAX_ID_CHARS])
     return protocol.ModelStreamInferResponse(

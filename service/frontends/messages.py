@@ -16,8 +16,10 @@ from service.serving.registry import VersionState
 __all__ = ["config_message", "index_message", "metadata_message", "server_metadata_message", "statistics_message"]
 
 
-def server_metadata_message(info: ServerInfo) -> Any:
-    return protocol.ServerMetadataResponse(name=info.name, version=info.version, extensions=list(info.extensions))
+def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> Any:
+    """The server's name, version and extensions (`more`: those of the front ends, e.g. shared memory)."""
+    extensions = [*info.extensions, *more]
+    return protocol.ServerMetadataResponse(name=info.name, version=info.version, extensions=extensions)
 
 
 def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> Any:

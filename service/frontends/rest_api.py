@@ -19,6 +19,7 @@ import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,8 @@ from aiohttp.web_protocol import ERROR, RequestPayloadError
 from service.config import ServerSettings
 from service.datatypes import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
-from service.frontends.codec import RawSource
+from service.frontends import shared_memory
+from service.frontends.codec import MessageSource, RawSource
 from service.frontends.messages import (
     config_message,
     index_message,
@@ -47,7 +49,7 @@ from service.frontends.rest_codec import (
     parse_json,
 )
 from service.frontends.security import BearerTokens
-from service.frontends.statuses import http_status
+from service.frontends.statuses import HTTP_STATUS, http_status
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter
@@ -151,8 +153,10 @@ class RestServer:
         settings: ServerSettings,
         tokens: BearerTokens,
         tls: ssl.SSLContext | None,
+        regions: shared_memory.SharedMemoryRegistry,
     ) -> None:
         self.plane, self.settings, self.tls = plane, settings, tls
+        self.regions = regions  # Triton's system shared memory: the registered regions
         self.tokens = tokens
         self.counter = metrics.http_requests
         self._socket: socket.socket | None = None
@@ -177,6 +181,11 @@ class RestServer:
         self._repository_routes = {
             "load": _Route("repository_load", "POST", self._load, repository=True),
             "unload": _Route("repository_unload", "POST", self._unload, repository=True),
+        }
+        self._shared_memory_routes: dict[str, tuple[str, Callable[..., Awaitable[web.Response]]]] = {
+            "status": ("GET", self._shm_status),  # each takes the region's name first ("": every region)
+            "register": ("POST", self._shm_register),
+            "unregister": ("POST", self._shm_unregister),
         }
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -235,6 +244,8 @@ class RestServer:
                     version, tail = tail[1], tail[2:]
                 if len(tail) <= 1:
                     route = self._model_routes.get(tail[0] if tail else "")
+            if route is None and rest[:1] in (("systemsharedmemory",), ("cudasharedmemory",)):
+                route = self._shared_memory_route(rest)
         if route is None:
             raise _Refused(404, f"no endpoint {quote(raw)}: the v2 protocol's paths start /v2 (docs/design.md)")
         if request.method != route.method and not (route.method == "GET" and request.method == "HEAD"):
@@ -322,7 +333,7 @@ class RestServer:
         return _error(503, f"model {quote(model)} is not ready: the server is shutting down")
 
     async def _server_metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        return _json(message_json(server_metadata_message(self.plane.server_info())))
+        return _json(message_json(server_metadata_message(self.plane.server_info(), self.regions.extensions)))
 
     async def _metadata(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         m = self.plane.model(model, version)
@@ -363,16 +374,92 @@ class RestServer:
         models = message_json(index_message(self.plane.index()))["models"]
         return _json([m for m in models if not only_ready or m["state"] == "READY"])
 
+    # --- Triton's shared memory extensions (service/frontends/shared_memory.py) -------------------------
+
+    def _shared_memory_route(self, rest: tuple[str, ...]) -> _Route | None:
+        """KIND[/region/NAME]/status, KIND/region/NAME/register, KIND[/region/NAME]/unregister, KIND being
+        systemsharedmemory or cudasharedmemory (answered 501: qkv has none)."""
+        tail, name = list(rest[1:]), ""
+        if len(tail) == 3 and tail[0] == "region":
+            name, tail = tail[1], tail[2:]
+        if len(tail) != 1 or tail[0] not in self._shared_memory_routes or (tail[0] == "register" and not name):
+            return None
+        method, handler = self._shared_memory_routes[tail[0]]
+        if rest[0] == "cudasharedmemory":  # every region unregistered: there is none, so done
+            done = tail[0] == "unregister" and not name
+            return _Route("cuda_shared_memory", method, self._no_cuda_left if done else self._no_cuda)
+        return _Route(f"shared_memory_{tail[0]}", method, partial(handler, name))
+
+    async def _no_cuda(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        return _error(HTTP_STATUS["UNIMPLEMENTED"], shared_memory.CUDA_UNIMPLEMENTED)
+
+    async def _no_cuda_left(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        await self._body(request)
+        return web.Response(status=200)
+
+    def _may_change_shm(self, request: web.BaseRequest, what: str) -> None:
+        authorization = request.headers.get("Authorization")
+        offered = authorization if authorization is not None and _utf8(authorization) else None
+        shared_memory.check_may_change(request.remote, offered, self.tokens, what)
+
+    async def _shm_status(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        regions = self.regions.status(name)
+        return _json([vars(s) for s in regions])
+
+    async def _shm_register(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        """Body: {"key": "/NAME", "offset": 0, "byte_size": N} (offset optional)."""
+        self._may_change_shm(request, "registering shared memory")
+        doc = parse_json(await self._body(request))
+        key = doc.get("key")
+        if not isinstance(key, str):
+            raise InvalidArgument('the body must have "key": the shared memory object\'s name, a string')
+        sizes = []
+        for field, default in (("offset", 0), ("byte_size", None)):
+            value = doc.get(field, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f'"{field}" must be a non-negative integer')
+            sizes.append(value)
+        self.regions.register(name, key, *sizes)
+        return web.Response(status=200)
+
+    async def _shm_unregister(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
+        self._may_change_shm(request, "unregistering shared memory")
+        await self._body(request)  # empty, as Triton's
+        self.regions.unregister(name)
+        return web.Response(status=200)
+
     # --- inference ------------------------------------------------------------------------------------
+
+    def _attach(self, parsed: InferBody) -> shared_memory.RequestMemory | None:
+        """The shared memory regions a request's tensors name, leased; its inputs there read from them."""
+        if not parsed.shared_inputs and not parsed.shared_outputs:
+            return None
+        message = parsed.shared_message()
+        memory = self.regions.attach(message)
+        if memory is None:
+            return None
+        by_name = {t.name: t for t in message.inputs}
+        parsed.request.inputs = [
+            InferInput(i.name, i.datatype, i.shape, MessageSource(by_name[i.name], memory.contents(by_name[i.name])))
+            if i.name in memory.inputs
+            else i
+            for i in parsed.request.inputs
+        ]
+        return memory
 
     async def _infer(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         body = await self._body(request)
         parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
         parsed.request.trace_context = self._carrier(request)
-        outcome = await self.plane.infer(parsed.request)
-        if isinstance(outcome, ServingError):
-            return _failed(outcome)
-        data, header_length = encode_infer(outcome, parsed)
+        memory = self._attach(parsed)
+        try:
+            outcome = await self.plane.infer(parsed.request)
+            if isinstance(outcome, ServingError):
+                return _failed(outcome)
+            data, header_length = encode_infer(outcome, parsed, memory)
+        finally:
+            if memory is not None:
+                memory.close()
         if header_length is None:
             return web.Response(body=data, content_type="application/json")
         return web.Response(

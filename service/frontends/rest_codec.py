@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,18 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from service.datatypes import MAX_DIMS, NUMPY_DTYPES, check_datatype, datatype_of, decode_bytes, encode_bytes
+from service import protocol
+from service.datatypes import (
+    MAX_DIMS,
+    NUMPY_DTYPES,
+    InputLimits,
+    check_datatype,
+    datatype_of,
+    decode_bytes,
+    encode_bytes,
+)
 from service.errors import InvalidArgument, quote
+from service.frontends import shared_memory
 from service.frontends.codec import RawSource, output_bytes
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
@@ -61,9 +72,35 @@ class InferBody:
     request: InferRequest
     binary_outputs: dict[str, bool] = field(default_factory=dict)  # output name -> in binary
     binary_default: bool = False  # for outputs not named above
+    # Tensors in system shared memory (Triton's extension): name -> (datatype, shape, their parameters)
+    shared_inputs: dict[str, tuple[str, list[int], dict[str, Parameter]]] = field(default_factory=dict)
+    shared_outputs: dict[str, dict[str, Parameter]] = field(default_factory=dict)
+
+    def shared_message(self) -> Any:
+        """The shared-memory tensors as a ModelInferRequest's (metadata and parameters, no data): what the
+        region registry reads (service/frontends/shared_memory.py)."""
+        message = protocol.ModelInferRequest()
+        for name, (datatype, shape, params) in self.shared_inputs.items():
+            _set_parameters(message.inputs.add(name=name, datatype=datatype, shape=shape).parameters, params)
+        for name, params in self.shared_outputs.items():
+            _set_parameters(message.outputs.add(name=name).parameters, params)
+        return message
 
     def binary(self, name: str) -> bool:
         return self.binary_outputs.get(name, self.binary_default)
+
+
+def _set_parameters(target: Any, params: Mapping[str, Parameter]) -> None:
+    """JSON parameter values into a protobuf parameters map, each in the field its type says."""
+    for key, value in params.items():
+        if isinstance(value, bool):
+            target[key].bool_param = value
+        elif isinstance(value, int):
+            target[key].int64_param = value
+        elif isinstance(value, float):
+            target[key].double_param = value
+        else:
+            target[key].string_param = value
 
 
 def parse_json(data: bytes | bytearray | memoryview, what: str = "the body") -> dict[str, Any]:
@@ -219,7 +256,9 @@ def _header_size(body: bytes, header_length: str | None) -> int:
     return size
 
 
-def _input(tensor: Any, k: int, view: memoryview, offset: int) -> tuple[InferInput, int]:
+def _input(
+    tensor: Any, k: int, view: memoryview, offset: int, shared: dict[str, tuple[str, list[int], dict[str, Parameter]]]
+) -> tuple[InferInput, int]:
     """inputs[k] of the JSON header, its binary data at `offset` of the body; and the offset after it."""
     if not isinstance(tensor, dict):
         raise InvalidArgument(f"inputs[{k}] must be a JSON object")
@@ -230,6 +269,11 @@ def _input(tensor: Any, k: int, view: memoryview, offset: int) -> tuple[InferInp
     tensor_params = tensor.get("parameters", {})
     if not isinstance(tensor_params, dict):
         raise InvalidArgument(f"input {quote(name)}: parameters must be a JSON object")
+    if shared_memory.REGION in tensor_params or any(k in tensor_params for k in shared_memory.PARAMETERS):
+        if "data" in tensor or BINARY_SIZE in tensor_params:
+            raise InvalidArgument(f"input {quote(name)}: both a shared memory region and data given")
+        shared[name] = (datatype, shape, parameters(tensor_params, f"input {quote(name)}: parameters"))
+        return InferInput(name, datatype, shape, _UNATTACHED), offset
     binary = tensor_params.get(BINARY_SIZE)
     if binary is None:
         if "data" not in tensor:
@@ -260,6 +304,8 @@ def _outputs(outputs: Any, parsed: InferBody) -> list[RequestedOutput]:
             raise InvalidArgument(f"output {quote(name)}: parameters must be a JSON object")
         plain = {key: v for key, v in out_params.items() if isinstance(v, bool | int | float | str)}
         requested.append(RequestedOutput(name, plain))
+        if any(k in plain for k in shared_memory.PARAMETERS):
+            parsed.shared_outputs[name] = plain
         if "binary_data" in out_params:
             parsed.binary_outputs[name] = bool(out_params["binary_data"])
     return requested
@@ -291,12 +337,23 @@ def parse_infer(
         raise InvalidArgument("the inference request must have 'inputs': a list of tensors")
     inputs, offset = [], size
     for k, tensor in enumerate(tensors):
-        tensor_input, offset = _input(tensor, k, view, offset)
+        tensor_input, offset = _input(tensor, k, view, offset, parsed.shared_inputs)
         inputs.append(tensor_input)
     if offset != len(body):
         raise InvalidArgument(f"{len(body) - offset} bytes after the last input's binary data: none may follow")
     request.inputs, request.outputs = inputs, _outputs(doc.get("outputs", []), parsed)
     return parsed
+
+
+class _Unattached:
+    """An input in shared memory before its region is leased (the front end replaces it with the region's
+    contents once it has the lease)."""
+
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        raise InvalidArgument(f"input {quote(name)}: its shared memory region was not attached")
+
+
+_UNATTACHED = _Unattached()
 
 
 def _json_data(datatype: str, shape: list[int], raw: bytes) -> list[Any]:
@@ -314,8 +371,11 @@ def output_text(response: InferResponse, name: str) -> str:
     return str(_json_data("BYTES", list(array.shape), output_bytes(array))[0])
 
 
-def encode_infer(response: InferResponse, parsed: InferBody) -> tuple[bytes, int | None]:
-    """The data plane's answer -> the REST body, and the length of its JSON header when binary data follows."""
+def encode_infer(
+    response: InferResponse, parsed: InferBody, memory: shared_memory.RequestMemory | None = None
+) -> tuple[bytes, int | None]:
+    """The data plane's answer -> the REST body, and the length of its JSON header when binary data follows.
+    An output asked for in shared memory is written there, and answered with its parameters, no data."""
     doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
     if response.id:
         doc["id"] = response.id
@@ -323,7 +383,10 @@ def encode_infer(response: InferResponse, parsed: InferBody) -> tuple[bytes, int
     for name, array in response.outputs.items():
         shape, datatype, raw = list(array.shape), datatype_of(array), output_bytes(array)
         out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
-        if parsed.binary(name):
+        placed = protocol.ModelInferResponse().outputs.add(name=name)
+        if memory is not None and memory.write(placed, array):
+            out["parameters"] = {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in placed.parameters.items()}
+        elif parsed.binary(name):
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
         else:

@@ -69,6 +69,12 @@ __all__ = [
     "ServerReadyResponse",
     "StatisticDuration",
     "Stub",
+    "SystemSharedMemoryRegisterRequest",
+    "SystemSharedMemoryRegisterResponse",
+    "SystemSharedMemoryStatusRequest",
+    "SystemSharedMemoryStatusResponse",
+    "SystemSharedMemoryUnregisterRequest",
+    "SystemSharedMemoryUnregisterResponse",
     "Undecodable",
     "generic_handler",
     "message_class",
@@ -151,6 +157,13 @@ RepositoryModelLoadRequest = message_class("RepositoryModelLoadRequest")
 RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
 RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
 RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
+# Triton extension: system shared memory (CUDA shared memory's messages: message_class, by name)
+SystemSharedMemoryStatusRequest = message_class("SystemSharedMemoryStatusRequest")
+SystemSharedMemoryStatusResponse = message_class("SystemSharedMemoryStatusResponse")
+SystemSharedMemoryRegisterRequest = message_class("SystemSharedMemoryRegisterRequest")
+SystemSharedMemoryRegisterResponse = message_class("SystemSharedMemoryRegisterResponse")
+SystemSharedMemoryUnregisterRequest = message_class("SystemSharedMemoryUnregisterRequest")
+SystemSharedMemoryUnregisterResponse = message_class("SystemSharedMemoryUnregisterResponse")
 
 
 class DataType(enum.IntEnum):
@@ -273,6 +286,12 @@ class Stub:
     RepositoryIndex: Any
     RepositoryModelLoad: Any
     RepositoryModelUnload: Any
+    SystemSharedMemoryStatus: Any
+    SystemSharedMemoryRegister: Any
+    SystemSharedMemoryUnregister: Any
+    CudaSharedMemoryStatus: Any
+    CudaSharedMemoryRegister: Any
+    CudaSharedMemoryUnregister: Any
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         for method in SERVICE.methods:

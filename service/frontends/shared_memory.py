@@ -1,0 +1,413 @@
+"""Triton's system shared memory extension: regions a client registers, tensors read from and written to them.
+
+A region is a slice [offset, offset + byte_size) of a POSIX shared memory object, /dev/shm/KEY on the
+server's host, registered under a name. An input tensor whose parameters name a region
+(`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`) is read from it instead of
+from the message; a requested output that names one is written into it, and the answer carries the
+output's metadata only (docs/design.md, "System shared memory").
+
+The server keeps each object's file descriptor open and reads and writes it with pread/pwrite, never
+through a mapping: a client that truncates its object after registering it would make a read of a
+mapping fault (SIGBUS, which kills the process); pread of a truncated object comes back short, which is
+refused naming the region. Each copy is one, as from a mapping.
+
+Each request leases the regions its tensors name, from before its inputs are decoded until its answer is
+written. Unregistering takes a region out of the table at once (new requests get NOT_FOUND); its
+descriptor closes when the last lease ends, so a request in flight never reads or writes another object.
+Regions still leased count against the limits until then. Everything here runs on the event loop, except
+`RequestMemory`'s reads, which a worker thread may do while the request holds its leases.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from ipaddress import ip_address
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.datatypes import NUMPY_DTYPES
+from service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
+from service.frontends.codec import fill_output
+from service.frontends.security import BearerTokens
+
+__all__ = [
+    "BYTE_SIZE",
+    "CUDA_UNIMPLEMENTED",
+    "OFFSET",
+    "PARAMETERS",
+    "REGION",
+    "RegionStatus",
+    "RequestMemory",
+    "SharedMemoryRegistry",
+    "check_may_change",
+    "peer_host",
+    "place_output",
+    "shared_inputs",
+]
+
+SHM_DIRECTORY = Path("/dev/shm")  # where shm_open puts a POSIX shared memory object
+REGION = "shared_memory_region"
+OFFSET = "shared_memory_offset"
+BYTE_SIZE = "shared_memory_byte_size"
+PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
+MAX_NAME_CHARS = 256  # a region's name
+MAX_KEY_CHARS = 255  # a shared memory object's name (NAME_MAX)
+CUDA_UNIMPLEMENTED = (
+    "qkv has no CUDA shared memory: register system shared memory (the system_shared_memory extension) instead"
+)
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class _Region:
+    """A registered region: the object's open descriptor, and the requests leasing it."""
+
+    def __init__(self, status: RegionStatus, fd: int) -> None:
+        self.status, self.fd = status, fd
+        self.leases = 0
+        self.registered = True
+
+    @property
+    def name(self) -> str:
+        return self.status.name
+
+    def _truncated(self, end: int) -> InvalidArgument:
+        size = os.fstat(self.fd).st_size
+        return InvalidArgument(
+            f"shared memory region {quote(self.name)}: its object {quote(self.status.key)} now holds {size} bytes, "
+            f"fewer than the {end} it held when registered"
+        )
+
+    def read(self, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` in the region (bounds checked by the caller)."""
+        start = self.status.offset + offset
+        data = os.pread(self.fd, size, start)
+        if len(data) < size:  # a regular file reads short only at its end
+            raise self._truncated(start + size)
+        return data
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """`data` at `offset` in the region (bounds checked by the caller), never past the object's end."""
+        start = self.status.offset + offset
+        if os.fstat(self.fd).st_size < start + len(data):  # pwrite would grow a truncated object back
+            raise self._truncated(start + len(data))
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], start + done)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where one tensor lies: a slice of a leased region."""
+
+    region: _Region
+    offset: int
+    byte_size: int
+
+
+def _parameter(params: Any, key: str, kind: str, what: str) -> Any:
+    p = params[key]
+    which = p.WhichOneof("parameter_choice")
+    if which != kind:
+        wanted = "a string" if kind == "string_param" else "an integer"
+        raise InvalidArgument(f"{what}: parameter {key!r} must be {wanted}")
+    return getattr(p, which)
+
+
+def _wanted(tensor: Any, what: str) -> tuple[str, int, int] | None:
+    """A tensor's (region, offset, byte size) parameters, when it names a region."""
+    params = tensor.parameters
+    if REGION not in params:
+        for key in (OFFSET, BYTE_SIZE):
+            if key in params:
+                raise InvalidArgument(f"{what}: parameter {key!r} without {REGION!r}")
+        return None
+    name = _parameter(params, REGION, "string_param", what)
+    if BYTE_SIZE not in params:
+        raise InvalidArgument(f"{what}: parameter {BYTE_SIZE!r} must come with {REGION!r}")
+    byte_size = _parameter(params, BYTE_SIZE, "int64_param", what)
+    offset = _parameter(params, OFFSET, "int64_param", what) if OFFSET in params else 0
+    return name, offset, byte_size
+
+
+def shared_inputs(request: Any) -> int:
+    """How many of a ModelInferRequest's inputs name a region (they have no raw_input_contents entry)."""
+    return sum(1 for t in request.inputs if REGION in t.parameters)
+
+
+def _elements(tensor: Any) -> int:
+    """The elements an InferInputTensor's shape declares (its shape was checked before it is read)."""
+    count = 1
+    for d in tensor.shape:
+        count *= max(int(d), 0)
+    return count
+
+
+class RequestMemory:
+    """The regions one request reads inputs from and writes outputs to, leased until `close`."""
+
+    def __init__(self, registry: SharedMemoryRegistry) -> None:
+        self._registry = registry
+        self._leased: list[_Region] = []
+        self.inputs: dict[str, _Placement] = {}
+        self.outputs: dict[str, _Placement] = {}
+
+    def _place(self, tensor: Any, what: str) -> _Placement | None:
+        wanted = _wanted(tensor, what)
+        if wanted is None:
+            return None
+        name, offset, byte_size = wanted
+        region = self._registry.lease(name, what)
+        self._leased.append(region)
+        size = region.status.byte_size
+        if offset < 0 or byte_size < 0 or offset + byte_size > size:
+            raise InvalidArgument(
+                f"{what}: offset {offset} and byte size {byte_size} lie outside shared memory region "
+                f"{quote(name)} ({size} bytes)"
+            )
+        return _Placement(region, offset, byte_size)
+
+    def contents(self, tensor: Any) -> Callable[[], bytes] | None:
+        """An input's raw contents, read from its region when asked (after its shape passed its limits);
+        None for an input that names no region."""
+        placed = self.inputs.get(tensor.name)
+        if placed is None:
+            return None
+
+        def read() -> bytes:
+            datatype, name = tensor.datatype, quote(tensor.name)
+            if datatype != "BYTES":
+                needed = _elements(tensor) * np.dtype(NUMPY_DTYPES[datatype]).itemsize
+                if placed.byte_size != needed:
+                    raise InvalidArgument(
+                        f"input {name}: {BYTE_SIZE} is {placed.byte_size}, shape {list(tensor.shape)} of {datatype} "
+                        f"needs {needed} (region {quote(placed.region.name)})"
+                    )
+            elif placed.byte_size > self._registry.max_tensor_bytes:
+                raise InvalidArgument(
+                    f"input {name}: {BYTE_SIZE} is {placed.byte_size}, the limit for BYTES is "
+                    f"{self._registry.max_tensor_bytes} (--max-message-bytes)"
+                )
+            return placed.region.read(placed.offset, placed.byte_size)
+
+        return read
+
+    def write(self, tensor: Any, array: np.ndarray) -> bool:
+        """An output written into its region, with its metadata set on `tensor` and the parameters that say
+        where it went (`shared_memory_byte_size`: the bytes written); False when it names no region."""
+        placed = self.outputs.get(tensor.name)
+        if placed is None:
+            return False
+        data = fill_output(tensor, array)  # name-independent metadata, and the little-endian bytes
+        if len(data) > placed.byte_size:
+            raise InvalidArgument(
+                f"output {quote(tensor.name)} is {len(data)} bytes, its {BYTE_SIZE} in region "
+                f"{quote(placed.region.name)} is {placed.byte_size}"
+            )
+        placed.region.write(placed.offset, memoryview(data))
+        tensor.parameters[REGION].string_param = placed.region.name
+        tensor.parameters[BYTE_SIZE].int64_param = len(data)
+        if placed.offset:
+            tensor.parameters[OFFSET].int64_param = placed.offset
+        return True
+
+    def close(self) -> None:
+        """Every lease handed back (once: later calls do nothing)."""
+        leased, self._leased = self._leased, []
+        for region in leased:
+            self._registry.release(region)
+
+
+def place_output(memory: RequestMemory | None, tensor: Any, array: np.ndarray) -> bytes:
+    """An output's raw contents for the answer: b"" for one written into a region (every output keeps its
+    entry in raw_output_contents, as Triton's do)."""
+    if memory is not None and memory.write(tensor, array):
+        return b""
+    return fill_output(tensor, array)
+
+
+def _key_name(key: str) -> str:
+    """shm_open's name -> the file's name in SHM_DIRECTORY: one leading '/' at most, no other."""
+    name = key[1:] if key.startswith("/") else key
+    if not name or len(name) > MAX_KEY_CHARS or "/" in name or "\0" in name or name in (".", ".."):
+        raise InvalidArgument(
+            f"shared memory key {quote(key)} is not the name of a POSIX shared memory object: '/NAME', "
+            f"NAME of 1 to {MAX_KEY_CHARS} characters without '/'"
+        )
+    return name
+
+
+class SharedMemoryRegistry:
+    """The registered regions, within --shared-memory-max-regions and --shared-memory-max-bytes."""
+
+    def __init__(
+        self, max_regions: int, max_bytes: int, max_tensor_bytes: int, directory: Path = SHM_DIRECTORY
+    ) -> None:
+        self.max_regions, self.max_bytes, self.max_tensor_bytes = max_regions, max_bytes, max_tensor_bytes
+        self.directory = directory
+        self._regions: dict[str, _Region] = {}
+        self._open: set[_Region] = set()  # registered or still leased: what the limits count
+
+    @property
+    def extensions(self) -> list[str]:
+        """The server metadata's extension names for this one (none when it is off)."""
+        return ["system_shared_memory"] if self.max_regions > 0 else []
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if self.max_regions <= 0:
+            raise ResourceExhausted("system shared memory is off (--shared-memory-max-regions 0)")
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"a shared memory region's name must have 1 to {MAX_NAME_CHARS} characters")
+        if name in self._regions:
+            old = self._regions[name].status
+            raise AlreadyExists(
+                f"shared memory region {quote(name)} is already registered (key {quote(old.key)}): unregister it first"
+            )
+        file_name = _key_name(key)
+        if byte_size <= 0:
+            raise InvalidArgument(f"shared memory region {quote(name)}: byte_size must be positive")
+        if len(self._open) >= self.max_regions:
+            raise ResourceExhausted(
+                f"cannot register shared memory region {quote(name)}: {len(self._open)} regions are open, the "
+                f"limit is {self.max_regions} (--shared-memory-max-regions)"
+            )
+        held = sum(r.status.byte_size for r in self._open)
+        if held + byte_size > self.max_bytes:
+            raise ResourceExhausted(
+                f"cannot register shared memory region {quote(name)} of {byte_size} bytes: {held} are registered, "
+                f"the limit is {self.max_bytes} (--shared-memory-max-bytes)"
+            )
+        fd = self._open_object(name, key, file_name)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument(f"shared memory region {quote(name)}: {quote(key)} is not a shared memory object")
+            if offset + byte_size > info.st_size:
+                raise InvalidArgument(
+                    f"shared memory region {quote(name)}: offset {offset} and byte_size {byte_size} lie outside "
+                    f"{quote(key)} ({info.st_size} bytes)"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        region = _Region(RegionStatus(name, key, offset, byte_size), fd)
+        self._regions[name] = region
+        self._open.add(region)
+
+    def _open_object(self, name: str, key: str, file_name: str) -> int:
+        # No symlink followed; O_NONBLOCK: opening a FIFO someone left there never waits (fstat refuses it).
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        try:
+            return os.open(self.directory / file_name, flags)
+        except FileNotFoundError:
+            raise NotFound(
+                f"cannot register shared memory region {quote(name)}: no shared memory object {quote(key)} "
+                f"(in {self.directory})"
+            ) from None
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot register shared memory region {quote(name)}: cannot open {quote(key)}: {e.strerror}"
+            ) from None
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        """Every registered region's status, or the one named."""
+        if not name:
+            return [r.status for r in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"no shared memory region {quote(name)} is registered")
+        return [region.status]
+
+    def unregister(self, name: str = "") -> None:
+        """One region (every one, when `name` is empty) out of the table; a region that is not registered is
+        NOT_FOUND. Its descriptor closes once no request leases it."""
+        if name and name not in self._regions:
+            raise NotFound(f"no shared memory region {quote(name)} is registered")
+        for region in [self._regions[name]] if name else list(self._regions.values()):
+            del self._regions[region.name]
+            region.registered = False
+            if region.leases == 0:
+                self._close(region)
+
+    def _close(self, region: _Region) -> None:
+        self._open.discard(region)
+        os.close(region.fd)
+
+    def lease(self, name: str, what: str) -> _Region:
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"{what}: no shared memory region {quote(name)} is registered")
+        region.leases += 1
+        return region
+
+    def release(self, region: _Region) -> None:
+        region.leases -= 1
+        if region.leases == 0 and not region.registered:
+            self._close(region)
+
+    def attach(self, request: Any) -> RequestMemory | None:
+        """The regions a ModelInferRequest's tensors name, leased and bounds-checked; None when it names none."""
+        memory = RequestMemory(self)
+        try:
+            for tensor in request.inputs:
+                what = f"input {quote(tensor.name)}"
+                placed = memory._place(tensor, what)
+                if placed is not None:
+                    if tensor.HasField("contents"):
+                        raise InvalidArgument(f"{what}: both contents and a shared memory region given")
+                    memory.inputs[tensor.name] = placed
+            for tensor in request.outputs:
+                placed = memory._place(tensor, f"output {quote(tensor.name)}")
+                if placed is not None:
+                    memory.outputs[tensor.name] = placed
+        except BaseException:
+            memory.close()
+            raise
+        return memory if memory.inputs or memory.outputs else None
+
+    def close(self) -> None:
+        """At drain: every region unregistered."""
+        self.unregister()
+
+
+def _loopback(host: str) -> bool:
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def peer_host(peer: str) -> str:
+    """A gRPC peer ('ipv4:127.0.0.1:5000', 'ipv6:%5B::1%5D:5000', 'unix:/path') -> its address ('unix' for a
+    Unix socket)."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind == "unix":
+        return "unix"
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+def check_may_change(host: str | None, authorization: str | None, tokens: BearerTokens, what: str) -> None:
+    """Registering or unregistering: a region names a file on the server's host, so only a client on that host
+    (loopback, or a Unix socket), or one offering an admin bearer token, may."""
+    if host is not None and (host == "unix" or _loopback(host)):
+        return
+    if tokens.admin and tokens.allows(authorization, repository=True):
+        return
+    raise PermissionDenied(
+        f"{what} from {quote(host or 'an unknown peer')} is refused: a region names a file on the server's host, "
+        "so only a loopback client, or one with an admin bearer token (--admin-token-file), may"
+    )

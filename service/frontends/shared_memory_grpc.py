@@ -1,0 +1,64 @@
+"""Triton's shared memory RPCs over gRPC: system shared memory (the regions of service/frontends/
+shared_memory.py), and CUDA shared memory answered UNIMPLEMENTED (qkv has no GPU memory to share)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from service import protocol
+from service.errors import ServingError
+from service.frontends import shared_memory
+from service.frontends.security import BearerTokens
+
+__all__ = ["SharedMemoryService"]
+
+
+class SharedMemoryService:
+    """Triton's shared memory RPCs (service/frontends/shared_memory.py): system shared memory, and CUDA shared
+    memory answered UNIMPLEMENTED. Served beside InferenceService, on the same service name."""
+
+    def __init__(self, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens) -> None:
+        self.regions, self.tokens = regions, tokens
+
+    def _may_change(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        host = shared_memory.peer_host(context.peer())
+        shared_memory.check_may_change(
+            host, authorization if isinstance(authorization, str) else None, self.tokens, what
+        )
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ServingError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        response = protocol.SystemSharedMemoryStatusResponse()
+        for s in await self._call(context, self.regions.status, request.name):
+            response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call(context, self._may_change, context, "registering shared memory")
+        await self._call(context, self.regions.register, request.name, request.key, request.offset, request.byte_size)
+        return protocol.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._call(context, self._may_change, context, "unregistering shared memory")
+        await self._call(context, self.regions.unregister, request.name)
+        return protocol.SystemSharedMemoryUnregisterResponse()
+
+    async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, shared_memory.CUDA_UNIMPLEMENTED)
+
+    CudaSharedMemoryStatus = CudaSharedMemoryRegister = _no_cuda
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Every region (no name): there is none, so done; Triton's examples begin so.
+        if request.name:
+            await self._no_cuda(request, context)
+        return protocol.message_class("CudaSharedMemoryUnregisterResponse")()
