@@ -291,7 +291,10 @@ def test_a_fault_of_the_server_is_a_counted_500_with_its_traceback_logged(caplog
 
     metrics = Metrics()
     plane = SimpleNamespace(in_repository=lambda name: False)
-    rest = RestServer(plane, metrics, SimpleNamespace(max_message_bytes=1 << 20), BearerTokens([]), None)
+    from service.frontends.shared_memory import SharedMemoryRegistry
+
+    settings = SimpleNamespace(max_message_bytes=1 << 20)
+    rest = RestServer(plane, metrics, settings, BearerTokens([]), None, SharedMemoryRegistry(0, 0, 0))  # type: ignore[arg-type]
 
     async def broken(*_: Any) -> Any:
         raise RuntimeError("a bug")
