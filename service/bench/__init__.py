@@ -3,6 +3,7 @@
     qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
     qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
     qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
+    qkv bench --text                          # g2p on English text, its response cache on and off
 
 Every served figure is a ratio to a figure measured in the same run on the same machine (the
 in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
@@ -57,6 +58,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
     parser.add_argument("--protocols", action="store_true", help="HTTP/REST against gRPC: c1 latency, throughput")
     parser.add_argument("--versions", action="store_true", help="g2p's versions side by side: words/s, p50/p99")
+    parser.add_argument("--text", action="store_true", help="g2p on English text (fortunes): response cache on/off")
+    parser.add_argument("--text-file", type=Path, metavar="PATH", help="--text on this file (or directory) instead")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -91,6 +94,12 @@ def main(argv: list[str]) -> int:
 
         print(protocols_table(protocols(args.model_repository, args.out, args.seconds)))
         print(f"wrote {args.out / 'protocols.json'}")
+        return 0
+    if args.text or args.text_file:
+        from service.bench.text import text_bench, text_table
+
+        print(text_table(text_bench(args.model_repository, args.out, args.seconds, args.text_file)))
+        print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
         return 0
     if args.versions:
         from service.bench.versions import versions, versions_table
@@ -157,6 +166,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: must be a directory, not a file")
     if args.perf_analyzer:
         readable_file(args.perf_analyzer, "perf_analyzer")
+    if args.text or args.text_file:
+        from service.bench.text import corpus_files
+
+        corpus_files(args.text_file)  # the corpus there, or how to get it
     if not args.zoo and not args.model_repository.is_dir():  # the zoo brings its own models
         raise UsageError(f"model repository not found: {args.model_repository}")
 
