@@ -114,6 +114,9 @@ class Vetted:
     reasons: Counter[str] = field(default_factory=Counter)  # the refusals' messages, numbers and quotes as ...
 
 
+NOTHING_LEFT = "refused as written, and no word the model can spell in it (numbers, symbols)"
+
+
 class Spelling:
     """What the served g2p version can spell, from its graphemes.json and config.json's limits."""
 
@@ -156,12 +159,17 @@ def vet(url: str, sentences: list[str], spelling: Spelling, concurrency: int = 8
             out.stripped += 1
         else:
             out.refused += 1
-            out.reasons[re.sub(r"'[^']*'|\d+", "...", second.get(i) or first[i])] += 1
+            why = second[i] if i in retry else NOTHING_LEFT
+            out.reasons[re.sub(r"'[^']*'|\(U\+[0-9A-F]+\)|\d+", "...", why)] += 1
     return out
 
 
+BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)  # the server's state, not the text's
+
+
 async def _refusals(url: str, texts: list[str], concurrency: int) -> list[str]:
-    """For each text sent alone to g2p with max_output_length 1: "" when answered, else the refusal."""
+    """For each text sent alone to g2p with max_output_length 1: "" when answered, else the refusal
+    (an overloaded server's is no verdict on the text: sent again)."""
     verdicts = [""] * len(texts)
     todo = iter(range(len(texts)))
     async with grpc.aio.insecure_channel(url) as channel:
@@ -171,10 +179,15 @@ async def _refusals(url: str, texts: list[str], concurrency: int) -> list[str]:
             for i in todo:
                 request = g2p_request([texts[i]])
                 request.parameters["max_output_length"].int64_param = 1  # accepted or not: one step enough
-                try:
-                    await stub.ModelInfer(request, timeout=60)
-                except grpc.aio.AioRpcError as e:
-                    verdicts[i] = f"{e.code().name}: {e.details()}"
+                while True:
+                    try:
+                        await stub.ModelInfer(request, timeout=60)
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() in BUSY:
+                            await asyncio.sleep(0.1)
+                            continue
+                        verdicts[i] = f"{e.code().name}: {e.details()}"
+                    break
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return verdicts

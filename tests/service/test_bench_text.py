@@ -22,6 +22,8 @@ A café opened in 1988?  Naive people drink tea there.
 %
 ----
 %
+1984.
+%
 {LONG}
 %
 An _\x08u_\x08n_\x08d_\x08e_\x08r_\x08lined word.
@@ -43,6 +45,7 @@ def test_the_sample_reads_as_quotes_of_sentences(sample: Path) -> None:
         ["The quick brown fox jumps over the lazy dog.", "The dog sleeps!"],
         ["A café opened in 1988?", "Naive people drink tea there."],
         ["----"],
+        ["1984."],
         [LONG],
         ["An underlined word."],
         ["The fox and the dog are friends.", "The tea is hot, said the fox."],
@@ -58,12 +61,16 @@ def test_text_bench_sends_each_sentence_or_counts_it(sample: Path, tmp_path: Pat
     r = json.loads((out / "text.json").read_text())
     corpus = r["corpus"]
     assert corpus["files"] == [str(sample)]
-    assert (corpus["quotes"], corpus["sentences"], corpus["words"], corpus["distinct_words"]) == (6, 9, 109, 29)
-    assert corpus["curve"]["top 10"] == pytest.approx(90 / 109) and corpus["curve"]["top 1000"] == 1.0
-    # café and 1988 refused as written, sent without; 70 words refused even so; "----" no words at all
+    assert (corpus["quotes"], corpus["sentences"], corpus["words"], corpus["distinct_words"]) == (7, 10, 110, 30)
+    assert corpus["curve"]["top 10"] == pytest.approx(90 / 110) and corpus["curve"]["top 1000"] == 1.0
+    # café and 1988 refused as written, sent without; 70 words, or only a number, refused even so;
+    # "----" no words at all
     v = r["vetting"]
-    assert (v["as_written"], v["stripped"], v["refused"], v["no_words"]) == (6, 1, 1, 1)
-    assert list(v["reasons"]) == ["INVALID_ARGUMENT: input ...: ... words in one request, the limit is ..."]
+    assert (v["as_written"], v["stripped"], v["refused"], v["no_words"]) == (6, 1, 2, 1)
+    assert v["reasons"] == {
+        "INVALID_ARGUMENT: input ...: ... words in one request, the limit is ...": 1,
+        "refused as written, and no word the model can spell in it (numbers, symbols)": 1,
+    }
     for c in CONCURRENCY:
         on, off = r[f"cache on c{c}"], r[f"cache off c{c}"]
         for cell in (on, off):
@@ -81,9 +88,9 @@ def test_text_bench_sends_each_sentence_or_counts_it(sample: Path, tmp_path: Pat
     # The printed table: the corpus, what was sent, a row a server and concurrency, the two targets.
     table = (out / "text.md").read_text().strip()
     assert table in done.stdout
-    assert "9 sentences, 109 words, 29 distinct" in table
+    assert "10 sentences, 110 words, 30 distinct" in table
     assert "sent: 7 sentences, one a request (6 as written, 1 without the words" in table
-    assert "refused even so, left out: 1" in table and "without words: 1" in table
+    assert "refused even so, left out: 2" in table and "without words: 1" in table
     assert (
         "| server | c | words/s | on / off | request p50 / p99 ms | words a request | distinct share of words sent "
         "| cache hit rate | codes |"
