@@ -39,6 +39,7 @@ from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
 from service.bench.servers import Servers
 from service.cli import UsageError
 from service.client import g2p_request
+from service.models.g2p_text import spoken_words
 from service.models.kinds import normalize_word
 from service.process import ServerProcess
 from service.repository.layout import available_versions
@@ -91,8 +92,8 @@ def read_sentences(paths: list[Path]) -> list[list[str]]:
 
 
 def words_of(text: str) -> list[str]:
-    """The words the server makes of `text` (service.models.kinds.normalize_word)."""
-    return [w for w in map(normalize_word, text.split()) if w]
+    """The words the server reads `text` as (g2p's text rules, service/models/g2p_text.py)."""
+    return spoken_words(text)
 
 
 def frequency_curve(words: list[str], tops: tuple[int, ...] = TOPS) -> dict[str, float]:
