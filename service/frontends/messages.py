@@ -68,18 +68,24 @@ def config_message(m: ServedVersion) -> Any:
     group = protocol.ModelInstanceGroup
     config = protocol.ModelConfig(
         name=m.name,
-        platform="onnxruntime_onnx",
-        backend="onnxruntime",
+        platform=m.platform if m.config.ensemble is not None else "onnxruntime_onnx",
         max_batch_size=m.max_batch_size,
         input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.inputs],
         output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.outputs],
-        instance_group=[
-            group(
-                name=m.name,
-                count=max(1, m.config.instances),
-                kind=group.KIND_GPU if "CUDA" in m.provider else group.KIND_CPU,
+    )
+    if m.config.ensemble is not None:  # its steps; it has no instances or backend of its own
+        config.parameters["kind"].string_value = m.kind
+        for step in sorted(m.config.ensemble.steps, key=lambda s: s.position):  # as config.json lists them
+            config.ensemble_scheduling.step.add(
+                model_name=step.model_name,
+                model_version=int(step.model_version or -1),
+                input_map=dict(step.input_map),
+                output_map=dict(step.output_map),
             )
-        ],
+        return protocol.ModelConfigResponse(config=config)
+    config.backend = "onnxruntime"
+    config.instance_group.add(
+        name=m.name, count=max(1, m.config.instances), kind=group.KIND_GPU if "CUDA" in m.provider else group.KIND_CPU
     )
     if batched and b.enabled:
         config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)

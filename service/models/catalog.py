@@ -8,6 +8,7 @@ builds a version of it (sessions loaded at compute priority): a new kind is one 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +17,7 @@ import numpy as np
 from service import priority
 from service.datatypes import InputLimits
 from service.errors import ServingError
+from service.models.ensemble import EnsembleModel, Steps
 from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
 from service.models.response_cache import ResponseCache
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
@@ -29,7 +31,7 @@ from service.scheduling.leases import InFlight
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["BATCHING_SHOWN", "KINDS", "KindFactory", "ServedVersion", "build"]
+__all__ = ["BATCHING_SHOWN", "KINDS", "Context", "KindFactory", "ServedVersion", "Steps", "build"]
 
 # The batching settings a kind that tunes them shows (ModelConfig parameters, qkv_batching_setting).
 BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
@@ -110,24 +112,40 @@ class ServedVersion(Protocol):
 
 
 Cache = ResponseCache[Any] | None  # the server's response cache, for a kind that keeps answers itself
-KindFactory = Callable[[ModelConfig, list[Any], ModelObserver, Cache], ServedVersion]
 
 
-def _tensor(config: ModelConfig, providers: list[Any], observer: ModelObserver, cache: Cache) -> ServedVersion:
+@dataclass(frozen=True)
+class Context:
+    """What the server hands a kind's factory besides the version's configuration."""
+
+    providers: list[Any]  # onnxruntime's execution providers, in order of preference
+    observer: ModelObserver  # the version's metrics
+    cache: Cache = None  # the response cache, for a kind that keeps answers itself
+    steps: Steps | None = None  # the served models, for a kind that runs others (an ensemble)
+
+
+KindFactory = Callable[[ModelConfig, Context], ServedVersion]
+
+
+def _tensor(config: ModelConfig, context: Context) -> ServedVersion:
     # config.json sequence_batching: a stateful model, through the sequence batcher
     kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
-    return kind(config, priority.run_lowered(partial(TensorRuntime, config, providers)), observer)
+    return kind(config, priority.run_lowered(partial(TensorRuntime, config, context.providers)), context.observer)
 
 
-def _g2p(config: ModelConfig, providers: list[Any], observer: ModelObserver, cache: Cache) -> ServedVersion:
-    model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, providers)), observer)
-    model.cache = cache if config.response_cache else None  # it keeps each word's answer
+def _g2p(config: ModelConfig, context: Context) -> ServedVersion:
+    model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, context.providers)), context.observer)
+    model.cache = context.cache if config.response_cache else None  # it keeps each word's answer
     return model
 
 
-KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p}
+def _ensemble(config: ModelConfig, context: Context) -> ServedVersion:
+    return EnsembleModel(config, context.steps, context.observer)
 
 
-def build(config: ModelConfig, providers: list[Any], observer: ModelObserver, cache: Cache = None) -> ServedVersion:
+KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p, "ensemble": _ensemble}
+
+
+def build(config: ModelConfig, context: Context) -> ServedVersion:
     """A version of `config.kind` (layout.py has refused unknown kinds), sessions built, not yet warm."""
-    return KINDS[config.kind](config, providers, observer, cache)
+    return KINDS[config.kind](config, context)

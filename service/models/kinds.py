@@ -40,7 +40,7 @@ from service.seq2seq.generation import Hypothesis, greedy_decode
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel"]
+__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel", "checked_feeds", "has_batch_axis"]
 
 log = logging.getLogger("qkv.models")
 
@@ -117,7 +117,7 @@ class ModelStats:
             return replace(self, batches={k: list(v) for k, v in self.batches.items()}, _lock=threading.Lock())
 
 
-def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
+def checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
     known = {s.name for s in specs}
     unknown = sorted(set(inputs) - known)
     if unknown:
@@ -143,7 +143,7 @@ def _checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model
     return inputs
 
 
-def _has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
+def has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
     """Whether axis 0 of every input and output is a batch axis, as Triton decides it: max_batch_size 0 in
     config.json says there is none (shapes are served as declared); above 0, there is one and the graph must
     leave it dynamic; not given, there is one when every first dimension is dynamic (Triton's autocomplete)."""
@@ -228,7 +228,7 @@ class TensorModel:
         self.stats = ModelStats()
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         _check_served(config, self.inputs, self.outputs)
-        self.batchable = _has_batch_axis(config, [*self.inputs, *self.outputs])
+        self.batchable = has_batch_axis(config, [*self.inputs, *self.outputs])
         self.sequence_axis = config.sequence_axis
         self._seq_names = {
             s.axes[self.sequence_axis]
@@ -369,7 +369,7 @@ class TensorModel:
         deadline: float | None,
         trace: RequestTrace | None = None,
     ) -> Result:
-        feeds = _checked_feeds(self.inputs, inputs, self.name)
+        feeds = checked_feeds(self.inputs, inputs, self.name)
         names = [o.name for o in self.outputs]
         for o in outputs:
             if o not in names:

@@ -17,7 +17,7 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import Result, TensorModel, _as_strings, _checked_feeds
+from service.models.kinds import Result, TensorModel, _as_strings, checked_feeds
 from service.models.runtime import TensorRuntime
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
@@ -104,7 +104,7 @@ class StatefulTensorModel(TensorModel):
                 f"model '{self.name}': input {quote(filled[0])} is filled by the server (sequence_batching "
                 "control or state); send only " + ", ".join(s.name for s in self.inputs)
             )
-        feeds = _checked_feeds(self.inputs, inputs, self.name)
+        feeds = checked_feeds(self.inputs, inputs, self.name)
         names = [o.name for o in self.outputs]
         for o in outputs:
             if o not in names:

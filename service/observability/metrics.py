@@ -160,11 +160,25 @@ class Metrics:
             "qkv_cache_evictions", "Answers pushed out of the response cache to make room", ["model"], registry=r
         )
         self.cache_bytes = Gauge("qkv_cache_bytes", "Bytes the response cache holds, all models", registry=r)
+        # An ensemble's steps (each is also a request to its step's model, counted there as any other).
+        self.ensemble_steps = Counter(
+            "qkv_ensemble_steps",
+            "Steps of ensemble requests, by position, step model and gRPC status",
+            ["model", "version", "step", "step_model", "code"],
+            registry=r,
+        )
+        self.ensemble_step_duration = Histogram(
+            "qkv_ensemble_step_duration_seconds",
+            "Time of one ensemble step answered OK, from its request to its step model to the answer",
+            ["model", "version", "step", "step_model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
-            self.dropped, self.batching_setting,
+            self.dropped, self.batching_setting, self.ensemble_steps, self.ensemble_step_duration,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -224,6 +238,7 @@ class ModelObserver:
         self._size = metrics.batch_size.labels(*labels)
         self._padding = metrics.padding_ratio.labels(*labels)
         self._dropped = {r: metrics.dropped.labels(*labels, r) for r in ("cancelled", "deadline")}
+        self._metrics, self._labels = metrics, labels
         self._real = metrics.batch_tokens.labels(*labels, "real")
         self._pad = metrics.batch_tokens.labels(*labels, "padding")
 
@@ -243,3 +258,10 @@ class ModelObserver:
 
     def dropped(self, reason: str) -> None:
         self._dropped[reason].inc()
+
+    def step(self, position: int, step_model: str, code: str, seconds: float) -> None:
+        """One step of an ensemble request ended with `code` after `seconds`."""
+        step = (*self._labels, str(position), step_model)
+        self._metrics.ensemble_steps.labels(*step, code).inc()
+        if code == "OK":
+            self._metrics.ensemble_step_duration.labels(*step).observe(seconds)

@@ -425,6 +425,13 @@ class Tracing:
         span = self.tracer.start_span(name, parent, SpanKind.SERVER, attributes)
         return RequestTrace(span) if span.is_recording() else None
 
+    def start_step(self, parent: RequestTrace | None, name: str) -> RequestTrace | None:
+        """A step of an ensemble's request (`parent`, None when it is not sampled): a span under it."""
+        if parent is None:
+            return None
+        span = self.tracer.start_span(name, trace.set_span_in_context(parent.span), SpanKind.INTERNAL)
+        return RequestTrace(span) if span.is_recording() else None
+
     def join_counter(self) -> JoinCounter:
         """For a decoding thread: the words that joined and left its batch."""
         return JoinCounter()

@@ -4,6 +4,7 @@
     models/NAME/1/model.onnx     a tensor model (inputs and outputs read from the graph)
     models/NAME/1/encoder.onnx   ... or the g2p kind's graphs and vocabularies
     models/NAME/2/...            another version
+    models/NAME/1/               an ensemble's version: empty (its config.json names the steps' models)
 
 Which versions are served is the model's version policy (config.json "version_policy", Triton's
 names): the newest one by default, the N newest, all, or specific ones.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from service.observability.metrics import UNKNOWN_MODEL
+from service.repository.ensemble_config import MAX_STEPS, EnsembleConfig, EnsembleConfigError, parse_ensemble_scheduling
 from service.scheduling.config import BatchingConfig
 from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
@@ -29,6 +31,7 @@ __all__ = [
     "RepositoryError",
     "VersionPolicy",
     "as_integer",
+    "dependencies",
     "fingerprint",
     "load_model",
     "load_model_config",
@@ -40,7 +43,7 @@ __all__ = [
 
 log = logging.getLogger("qkv.repository")
 
-KINDS = ("tensor", "g2p")
+KINDS = ("tensor", "g2p", "ensemble")
 # A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
 # ones are a few KiB, four levels deep.
 MAX_CONFIG_BYTES = 1 << 20
@@ -139,6 +142,8 @@ class ModelConfig:
     response_cache: bool = False  # config.json {"response_cache": {"enable": true}}: answers kept (--cache-size)
     # Tensor models: Triton's "sequence_batching" (a stateful model, service/scheduling/sequence.py); None: stateless.
     sequence_batching: SequenceConfig | None = None
+    # Ensembles: Triton's "ensemble_scheduling", the steps' models and how tensors flow between them.
+    ensemble: EnsembleConfig | None = None
 
 
 def _integer(value: Any) -> bool:
@@ -216,20 +221,22 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 # What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
               "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-              "limits", "response_cache", "sequence_batching")  # fmt: skip
+              "limits", "response_cache", "sequence_batching", "ensemble_scheduling", "platform")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
     "platform", "backend", "runtime", "input", "output", "batch_input", "batch_output", "dynamic_batching",
-    "ensemble_scheduling", "instance_group", "default_model_filename", "cc_model_filenames",
+    "instance_group", "default_model_filename", "cc_model_filenames",
     "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
     "model_repository_agents",
 })  # fmt: skip
 LIMITS = {
     "tensor": ("max_sequence_length", "vocab_size"),
     "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
+    "ensemble": (),
 }
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
+ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, when config.json names none
 _DECLARATION_KEYS = ("name", "datatype", "shape")
 # Triton's optional fields of a declaration: an input's image layout, a shape the graph sees instead of the
 # client's, and an output's class labels (one a line, in the model's directory) for classification.
@@ -248,7 +255,8 @@ def _top_level(raw: dict[str, Any], where: str) -> None:
             f"{where}: unknown setting(s) {unknown}{': ' + ', '.join(hints) if hints else ''}; "
             f"known: {sorted(_TOP_LEVEL)} (and Triton's fields, which qkv does not read)"
         )
-    triton = sorted(k for k in raw if k in TRITON_FIELDS)
+    # platform is read for "ensemble" alone; any other says nothing qkv uses
+    triton = sorted(k for k in raw if k in TRITON_FIELDS and not (k == "platform" and raw[k] == ENSEMBLE_PLATFORM))
     if triton:
         log.warning("%s: Triton's setting(s) %s are not read by qkv (docs/configuration.md)", where, triton)
 
@@ -314,7 +322,9 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         raise RepositoryError(f"{where}: the configuration must be a JSON object, got {type(raw).__name__}")
     at = f"{where}: config.json"
     _top_level(raw, at)  # every value is checked against its type before anything reads it
-    kind = _typed_value("str", raw.get("kind", "tensor"), "kind", at)
+    platform = _typed_value("str", raw.get("platform", ""), "platform", at)  # Triton's: only "ensemble" says anything
+    default_kind = "ensemble" if platform == ENSEMBLE_PLATFORM else "tensor"
+    kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)
     if kind not in KINDS:
         raise RepositoryError(f"{at}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
     _typed_value("str", raw.get("name", ""), "name", at)  # Triton's; the directory names the model
@@ -353,6 +363,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
             sequence = parse_sequence_batching(raw["sequence_batching"])
         except SequenceConfigError as e:
             raise RepositoryError(f"{at}: {e}") from None
+    ensemble = _ensemble(raw.get("ensemble_scheduling"), kind, name, inputs, outputs, at)
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -369,8 +380,47 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         outputs=outputs,
         response_cache=response_cache,
         sequence_batching=sequence,
+        ensemble=ensemble,
         **settings,
     )
+
+
+def _ensemble(
+    raw: Any,
+    kind: str,
+    name: str,
+    inputs: tuple[dict[str, Any], ...],
+    outputs: tuple[dict[str, Any], ...],
+    at: str,
+) -> EnsembleConfig | None:
+    """An ensemble's steps: required of the ensemble kind, refused for any other."""
+    if kind != "ensemble":
+        if raw is not None:
+            raise RepositoryError(f"{at}: ensemble_scheduling is for an ensemble (kind 'ensemble'), not a {kind} model")
+        return None
+    if raw is None:
+        raise RepositoryError(f"{at}: an ensemble needs ensemble_scheduling (its steps)")
+    try:
+        return parse_ensemble_scheduling(raw, name, [d["name"] for d in inputs], [d["name"] for d in outputs])
+    except EnsembleConfigError as e:
+        raise RepositoryError(f"{at}: {e}") from None
+
+
+def dependencies(model_dir: Path, raw: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The models the model in `model_dir` runs as steps (an ensemble's), read from its config.json (or
+    `raw`, a load request's) without checking the rest: a config that does not parse has none here, and its
+    load says why."""
+    try:
+        if raw is None:
+            raw = read_config(model_dir / "config.json", model_dir.name)
+        config = raw.get("ensemble_scheduling")
+        steps = config.get("step") if isinstance(config, dict) else None
+        if not isinstance(steps, list):
+            return ()
+        names = [s.get("model_name") for s in steps[:MAX_STEPS] if isinstance(s, dict)]
+        return tuple(dict.fromkeys(n for n in names if isinstance(n, str) and n))
+    except RepositoryError:
+        return ()
 
 
 def read_config(path: Path, where: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
 from service.observability import logs
 from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
+from service.repository.ensemble_config import EnsembleStep
 from service.repository.layout import parse_config
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 from service.serving.registry import READY, UNAVAILABLE, ModelRegistry, VersionState
@@ -91,6 +92,7 @@ class DataPlane:
         cache: ResponseCache[Result] | None = None,
     ) -> None:
         self.registry, self.metrics, self.settings, self.tracing = registry, metrics, settings, tracing
+        registry.steps = self  # the ensembles it builds run their steps here
         self.cache = cache  # --cache-size: answers of the models whose config.json enables response_cache
         # Called after a large or refused request: the server hands the freed heap back to the system.
         self._after_large = after_large
@@ -205,7 +207,7 @@ class DataPlane:
         in a cycle until a full garbage collection."""
         start = time.perf_counter()
         self.last_arrival = time.monotonic()
-        trace = self.tracing.start(request.trace_context, request.method) if self.tracing is not None else None
+        trace = self._trace(request)
         model: ServedVersion | None = None
         code, seq_len = "OK", 0
         outcome: InferResponse | ServingError | None = None
@@ -214,7 +216,7 @@ class DataPlane:
             result = await self._admitted(model, request, trace)
             seq_len = result.seq_len
             self._count_tokens(model, result)
-            outcome = InferResponse(model.name, model.version, request.id, result.outputs)
+            outcome = InferResponse(model.name, model.version, request.id, result.outputs, seq_len)
         except ServingError as e:
             code = e.code
             e.__context__ = e.__cause__ = None
@@ -236,6 +238,47 @@ class DataPlane:
         assert outcome is not None  # answered, or refused with a ServingError
         return outcome
 
+    def _trace(self, request: InferRequest) -> RequestTrace | None:
+        """The request's trace, when sampled: an ensemble's step is traced when its ensemble's request is."""
+        if self.tracing is None:
+            return None
+        if request.step_of:
+            return self.tracing.start_step(request.parent_trace, request.method)
+        return self.tracing.start(request.trace_context, request.method)
+
+    # --- ensembles' steps (service/models/ensemble.py `Steps`) --------------------------------------
+
+    def step_model(self, name: str, version: str) -> ServedVersion:
+        return self.registry.get(name, version)
+
+    async def run_step(
+        self,
+        ensemble: str,
+        step: EnsembleStep,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        params: dict[str, Any],
+        deadline: float | None,
+        trace: RequestTrace | None,
+    ) -> tuple[dict[str, np.ndarray], int]:
+        """One step of an ensemble's request, as a request to the step's model: arrays handed over as they are,
+        counted, traced and logged as any request."""
+        request = InferRequest(
+            model_name=step.model_name,
+            model_version=step.model_version,
+            inputs=[InferInput.of(name, array) for name, array in inputs.items()],
+            outputs=[RequestedOutput(name) for name in outputs],
+            parameters=params,
+            deadline=deadline,
+            method=f"qkv.ensemble.step.{step.position}",
+            step_of=ensemble,
+            parent_trace=trace,
+        )
+        outcome = await self.infer(request)
+        if isinstance(outcome, ServingError):
+            raise outcome
+        return outcome.outputs, outcome.seq_len
+
     def _lookup(self, request: InferRequest) -> ServedVersion:
         """The version the request names, counted in flight from here to its answer."""
         if len(request.id) > MAX_ID_CHARS:  # an id comes back in the answer: bound it, as every string
@@ -247,7 +290,7 @@ class DataPlane:
 
     async def _admitted(self, model: ServedVersion, request: InferRequest, trace: RequestTrace | None) -> Result:
         """The model's result, for a request that passes the drain, admission and the model's checks."""
-        if self.draining:
+        if self.draining and not request.step_of:  # a step's ensemble request was admitted before the drain
             raise Unavailable("the server is shutting down")
         self.active += 1
         try:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from service.datatypes import MAX_BYTES_ELEMENTS, MAX_DIMS, InputLimits, check_datatype, datatype_of
 from service.errors import InvalidArgument, quote
+
+if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
+    from service.observability.tracing import RequestTrace
 
 __all__ = [
     "ArraySource",
@@ -128,7 +131,9 @@ class InferRequest:
 
     `deadline`: time.monotonic() by which it must be answered (None: no deadline). `trace_context`: the
     call's metadata or headers, read only for a W3C trace context when the server traces; `method`: what
-    the trace calls the call (the RPC's name, or HTTP's "POST /v2/models/{model}/infer")."""
+    the trace calls the call (the RPC's name, or HTTP's "POST /v2/models/{model}/infer"). A step of an
+    ensemble's request names the ensemble in `step_of` (it was admitted with it) and is traced under
+    `parent_trace`, the ensemble request's."""
 
     model_name: str
     model_version: str = ""
@@ -139,6 +144,8 @@ class InferRequest:
     deadline: float | None = None
     trace_context: TraceCarrier | None = None
     method: str = "ModelInfer"
+    step_of: str = ""
+    parent_trace: RequestTrace | None = None
 
 
 @dataclass
@@ -149,3 +156,4 @@ class InferResponse:
     model_version: str
     id: str
     outputs: dict[str, np.ndarray]
+    seq_len: int = 0  # the length the model counted the request by (the latency histogram's bucket)

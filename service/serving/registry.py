@@ -34,11 +34,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from service.config import ServerSettings
 from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
-from service.models.catalog import BATCHING_SHOWN, ServedVersion, build
+from service.models.catalog import BATCHING_SHOWN, Context, ServedVersion, Steps, build
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
 from service.observability.metrics import Metrics
-from service.repository.layout import ModelConfig, RepositoryError, fingerprint, load_model, model_directories
+from service.repository.layout import (
+    ModelConfig,
+    RepositoryError,
+    dependencies,
+    fingerprint,
+    load_model,
+    model_directories,
+)
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
@@ -149,6 +156,7 @@ class ModelRegistry:
         self._closing = False
         self.started = False  # set once the start's models are loaded
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
+        self.steps: Steps | None = None  # the server's data plane: the ensembles built here run their steps there
 
     # Reads: on the event loop, never waiting.
 
@@ -211,6 +219,8 @@ class ModelRegistry:
         if self.mode != "explicit" and not names:
             raise RepositoryError(f"model repository {self.root} holds no models")
         for name in names:
+            if name in self.models and self.models[name].versions:
+                continue  # loaded already, as a step of an ensemble loaded before it
             try:
                 await self.load(name)
             except LoadFailed as e:
@@ -221,11 +231,12 @@ class ModelRegistry:
         if self.mode == "poll":
             self._poller = asyncio.create_task(self._poll())
 
-    async def load(self, name: str, raw: dict[str, Any] | None = None) -> None:
+    async def load(self, name: str, raw: dict[str, Any] | None = None, _loading: tuple[str, ...] = ()) -> None:
         """Load `name` (or reload it: versions whose files and config are unchanged are kept as they are).
 
         `raw`: a config.json to use instead of the file. Raises a ServingError saying why the load failed;
-        the versions that were serving keep serving."""
+        the versions that were serving keep serving. The models an ensemble runs as its steps are loaded
+        first when they are not served (`_loading`: the ensembles whose loads led here, against cycles)."""
         try:
             directory = model_directories(self.root).get(name)
         except RepositoryError:  # the repository itself is gone
@@ -234,6 +245,12 @@ class ModelRegistry:
             raise NotFound(
                 f"failed to load {quote(name)}, failed to poll from model repository: no model {quote(name)} in it"
             )
+        for step_model in dependencies(directory, raw):
+            step = self.models.get(step_model)
+            if step_model in (name, *_loading) or (step is not None and step.versions):
+                continue  # served already, or a cycle (which the ensemble's own load refuses, saying so)
+            with contextlib.suppress(ServingError):  # the ensemble's load names the step that is not served, and why
+                await self.load(step_model, None, (*_loading, name))
         served = self.models.setdefault(name, ServedModel(directory))
         await self._change(served, partial(self._load, served, name, raw))
 
@@ -385,7 +402,8 @@ class ModelRegistry:
 
     def _build(self, config: ModelConfig) -> Model:
         """On a worker thread: sessions (loaded at compute priority) and warm-up."""
-        model = build(config, self.providers, self.metrics.observer(config.name, config.version), self.cache)
+        observer = self.metrics.observer(config.name, config.version)
+        model = build(config, Context(self.providers, observer, self.cache, self.steps))
         try:
             model.warm_up()
         except BaseException:

@@ -21,7 +21,7 @@ import tritonclient.http as h
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.models.kinds import _has_batch_axis
+from service.models.kinds import has_batch_axis
 from service.models.runtime import TensorSpec
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.config import BatchingConfig
@@ -311,7 +311,7 @@ def test_the_batch_axis_is_decided_as_triton_decides_it(
     batching = BatchingConfig() if given is None else BatchingConfig(max_batch_size=given)
     keys = frozenset() if given is None else frozenset({"max_batch_size"})
     config = ModelConfig("m", "tensor", "1", Path("."), batching=batching, batching_given=keys)
-    assert _has_batch_axis(config, specs) is batch_axis
+    assert has_batch_axis(config, specs) is batch_axis
 
 
 @pytest.mark.parametrize(
@@ -331,5 +331,5 @@ def test_a_max_batch_size_the_graph_cannot_have_is_refused_at_load(given: int, m
         batching_given=frozenset({"max_batch_size"}),
     )
     with pytest.raises(RepositoryError) as e:
-        _has_batch_axis(config, [_spec("x", 3, 4, 4), _spec("y", 10)])
+        has_batch_axis(config, [_spec("x", 3, 4, 4), _spec("y", 10)])
     assert message in str(e.value)
