@@ -296,6 +296,26 @@ def _layout() -> list[tuple[Panel, int, int]]:
             12,
             8,
         ),
+        (
+            _timeseries(
+                "Ensemble steps",
+                "Steps of ensemble requests per second by position, step model and status "
+                "(qkv_ensemble_steps_total), and each step's p95 time (qkv_ensemble_step_duration_seconds).",
+                "short",
+                _targets(
+                    (
+                        _rate("qkv_ensemble_steps_total", "model, step, step_model, code"),
+                        "{{model}} step {{step}} ({{step_model}}) {{code}}",
+                    ),
+                    (
+                        _quantile(0.95, "qkv_ensemble_step_duration_seconds", "model, step, step_model"),
+                        "p95 s {{model}} step {{step}} ({{step_model}})",
+                    ),
+                ),
+            ),
+            24,
+            8,
+        ),
         (_row("Models"), 24, 1),
         (
             {

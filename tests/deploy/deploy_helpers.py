@@ -40,6 +40,8 @@ METRICS = {
     "qkv_tokens": "counter",
     "qkv_model_info": "gauge",
     "qkv_http_requests": "counter",
+    "qkv_ensemble_steps": "counter",
+    "qkv_ensemble_step_duration_seconds": "histogram",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}

@@ -64,6 +64,10 @@ def exporter() -> Iterator[int]:
     tokens = Counter("qkv_tokens", "tokens", ["model", "version", "direction"], registry=reg)
     info = Gauge("qkv_model_info", "model", ["model", "version", "provider"], registry=reg)
     http = Counter("qkv_http_requests", "http", ["model", "endpoint", "code"], registry=reg)
+    steps = Counter("qkv_ensemble_steps", "steps", ["model", "version", "step", "step_model", "code"], registry=reg)
+    step_time = Histogram(
+        "qkv_ensemble_step_duration_seconds", "step", ["model", "version", "step", "step_model"], registry=reg
+    )
     for model in ("g2p", "g2p_encoder"):
         info.labels(model, "1", "CPUExecutionProvider").set(1)
 
@@ -86,6 +90,8 @@ def exporter() -> Iterator[int]:
                 inflight.labels(model, "1").set(rnd.randint(0, 4))
                 depth.labels(model, "1").set(rnd.randint(0, 8))
                 http.labels(model, "infer", "200").inc(3)
+                steps.labels("pipeline", "1", "0", model, "OK").inc(2)
+                step_time.labels("pipeline", "1", "0", model).observe(rnd.uniform(0.001, 0.05))
             stop.wait(0.1)
 
     worker = threading.Thread(target=traffic, daemon=True)

@@ -268,6 +268,11 @@ def test_an_ensemble_whose_tensors_disagree_is_refused_at_load(explicit: tuple[R
     config["inputs"] = [{"name": "X", "datatype": "FP32", "shape": [-1, 5]}]
     message = _refused(served, config)
     assert "ensemble tensor 'X': step 1 (model 'double') input 'a' has shape [-1, 4], but ensemble input 'X'" in message
+    config["inputs"] = [{"name": "X", "datatype": "FP32", "shape": [-1, 4]}]
+    config["max_batch_size"] = 128  # more rows than its step models take
+    assert "step 1 (model 'double'): the ensemble's max_batch_size 128 exceeds its model's 64" in _refused(
+        served, config
+    )
 
 
 @pytest.mark.parametrize(
