@@ -50,8 +50,11 @@ def test_qkv_beside_the_plain_grpc_peer(tmp_path: Path) -> None:
         r"\| ceiling, in process \| \d+ seq/s \(batch (1|8|32)\) \| [\d.]+ \(compute, \d+ threads?\) \| \|", ceiling
     )
     assert [r.split(" | ")[0] for r in rows] == ["| qkv", "| plain", "| qkv / best peer (above 1: qkv ahead)"]
-    for row in rows[:2]:
-        assert re.fullmatch(r"\| \w+ \| [\d.]+ \(\d+\) \| [\d.]+ \| 0 \|", row), row
+    for row, server in zip(rows[:2], ("qkv", "plain"), strict=True):
+        assert re.fullmatch(r"\| \w+ \| [\d.]+ \(\d+\) \| [\d.]+ \| \d+ \|", row), row
+        # not OK: the refusals of both cells (qkv may refuse by its queueing objective on a busy machine)
+        refused = sum(n for c in results["cells"].values() for code, n in c[server]["codes"].items() if code != "OK")
+        assert row.endswith(f"| {refused} |"), (row, refused)
     assert re.fullmatch(r"\| qkv / best peer \(above 1: qkv ahead\) \| [\d.]+ \| [\d.]+ \| \|", rows[2])
 
 
