@@ -30,11 +30,11 @@ from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
-from service.scheduling.batching import DynamicBatcher
+from service.scheduling.batching import LONE, DynamicBatcher
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
-from service.scheduling.tuning import CostModel, Tuning, sweep, tune
+from service.scheduling.tuning import CostModel, Tuning, lone_threshold, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
@@ -50,6 +50,9 @@ MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-m
 THREAD_TEXT_BYTES = 1 << 12
 # Words a g2p request's text may read as, per word written (max_words): "$3.50" is four, "1999" three.
 SPOKEN_PER_WORD = 4
+# The request lengths at which warm-up times the lone session against an instance (tensor models with a
+# sequence axis; a model without one is timed at its one shape).
+LONE_LENGTHS = (8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
@@ -241,7 +244,8 @@ class TensorModel:
         self.vocab_size = {k: int(v) for k, v in (config.limits.get("vocab_size") or {}).items()}
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
-        self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer)
+        lone = runtime.lone is not None  # a batch running alone may use every core
+        self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
         self.tuning: Tuning | None = None  # what warm_up measured and chose
 
@@ -256,8 +260,8 @@ class TensorModel:
         try:
             feeds = self._feeds(1, length)
             tokens = self._length(feeds)  # counted as a request's tokens are
-            for instance in range(self.batcher.instances):
-                self.runtime.run(instance, feeds)
+            for instance in [*range(self.batcher.instances), *([LONE] if self.batcher.lone else [])]:
+                self.runtime.run(instance, feeds)  # each session's first run allocates its arena
             rows = self.max_batch_size if self.batchable else 1
             points = sweep(lambda n: self.batcher.served_seconds(partial(self._batch_of, length, n)), tokens, rows)
         except Exception as e:  # onnxruntime's own exception types: a graph that cannot run is not served
@@ -271,7 +275,38 @@ class TensorModel:
         log.info("batching %s", tuning.summary(self.name))
         best_tokens, best_seconds = max(points, key=lambda p: p[0] / p[1] if p[1] > 0 else 0.0)
         self.admission.seed(best_tokens, best_seconds)
+        if self.batcher.lone:
+            self._choose_lone(length)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
+
+    def _choose_lone(self, length: int) -> None:
+        """Where the lone session gains: one request of each length timed on an instance and on it (every
+        core). It is kept for the lengths from which it gains, or freed when it gains at none."""
+        lengths = [n for n in LONE_LENGTHS if not self.max_sequence_length or n <= self.max_sequence_length]
+        points = []
+        for n in lengths if self.sequence_axis is not None else [length]:
+            feeds = self._feeds(1, n)
+
+            def best(instance: int, feeds: dict[str, np.ndarray] = feeds) -> float:
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self.runtime.run(instance, feeds)
+                    times.append(time.perf_counter() - t0)
+                return min(times)
+
+            points.append((self._length(feeds), best(0), best(LONE)))
+        threshold = lone_threshold(points)
+        shown = ", ".join(f"{t}: {a * 1e3:.2f} / {b * 1e3:.2f} ms" for t, a, b in points)
+        if threshold is None:
+            self.batcher.lone = False
+            self.runtime.lone = None  # its sessions' memory goes back
+            log.info("model '%s': a request alone gains nothing from every core (instance / lone, by tokens: %s): "
+                     "no lone session", self.name, shown)  # fmt: skip
+            return
+        self.batcher.lone_min_tokens = threshold
+        log.info("model '%s': a request alone of %d tokens or more runs on every core (instance / lone, by tokens: %s)",
+                 self.name, threshold, shown)  # fmt: skip
 
     def batching(self) -> BatchingConfig:
         return self.batcher.config

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import onnxruntime as ort
 from service.datatypes import ONNX_DATATYPES
 from service.errors import InvalidArgument, quote
 from service.repository.layout import ModelConfig, RepositoryError
+from service.scheduling.batching import LONE
 from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -65,8 +67,10 @@ def _specs(args: list[ort.NodeArg]) -> list[TensorSpec]:
     return out
 
 
-def _session(path: Path, config: ModelConfig, providers: list[str]) -> ort.InferenceSession:
+def _session(path: Path, config: ModelConfig, providers: list[str], spinning: bool = True) -> ort.InferenceSession:
     options = session_options(config.intra_op_threads, config.inter_op_threads, config.optimization)
+    if not spinning:  # its threads sleep between runs rather than spin: they would take the instances' cores
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types for corrupt graphs
@@ -114,6 +118,15 @@ def _reshaped(array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarra
         ) from None
 
 
+def lone_threads(config: ModelConfig) -> int:
+    """The intra-op threads of a tensor model's lone session (0: it has none): config.json's
+    lone_request_threads, or every core this process may use; none when that is no more than an instance's."""
+    wanted = config.lone_request_threads
+    if wanted is None:
+        wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return wanted if wanted > max(1, config.intra_op_threads) else 0
+
+
 class TensorRuntime:
     """A plain ONNX graph, `config.instances` sessions of it. Where config.json declares a `reshape`, clients
     send and get the declared shape and the graph sees its own."""
@@ -125,6 +138,9 @@ class TensorRuntime:
         self.config = config
         self.sessions = [_session(path, config, providers) for _ in range(max(1, config.instances))]
         self.provider = self.sessions[0].get_providers()[0]
+        threads = lone_threads(config) if self.provider == "CPUExecutionProvider" else 0
+        # One more session, for a batch that runs alone on an idle server: every core on one request.
+        self.lone = _session(path, replace(config, intra_op_threads=threads), providers, False) if threads else None
         graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())
         _check_declared(config, "inputs", config.inputs, graph_inputs, path)
         _check_declared(config, "outputs", config.outputs, graph_outputs, path)
@@ -135,10 +151,12 @@ class TensorRuntime:
         self._reshape_out = {d["name"]: tuple(d["shape"]) for d in config.outputs if "reshape" in d}
 
     def run(self, instance: int, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> list[np.ndarray]:
+        """`instance`'s session on `feeds` (instance LONE: the lone session, when there is one)."""
         names = outputs or [o.name for o in self.outputs]
+        session = self.lone if instance == LONE and self.lone is not None else self.sessions[instance]
         if self._reshape_in:
             feeds = {k: _reshaped(v, self._reshape_in[k], k) if k in self._reshape_in else v for k, v in feeds.items()}
-        results: list[np.ndarray] = self.sessions[instance].run(names, feeds)
+        results: list[np.ndarray] = session.run(names, feeds)
         if self._reshape_out:
             results = [
                 _reshaped(r, self._reshape_out[n], n) if n in self._reshape_out else r

@@ -128,6 +128,9 @@ class ModelConfig:
     instances: int = 2  # onnxruntime sessions running batches concurrently (2 x 1 thread beats 1 x 2 here)
     intra_op_threads: int = 1
     inter_op_threads: int = 1
+    # Tensor models on CPU: the intra-op threads of one more session, which a batch running alone on an idle
+    # server uses (None: every core the process may use; 0, or no more than intra_op_threads: none).
+    lone_request_threads: int | None = None
     optimization: str = "all"  # onnxruntime graph optimisation level: disable, basic, extended, all
     precision: str = "fp32"  # fp32, or int8: the graphs' int8 copies beside them (model.int8.onnx, ...)
     sequence_axis: int | None = None  # tensor models: the axis padded when batching different lengths
@@ -220,8 +223,9 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 
 # What config.json may hold at the top level: the keys load_model_config reads (a test holds them equal).
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
-              "instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-              "limits", "response_cache", "sequence_batching", "ensemble_scheduling", "platform")  # fmt: skip
+              "instances", "intra_op_threads", "inter_op_threads", "lone_request_threads", "optimization",
+              "precision", "sequence_axis", "limits", "response_cache", "sequence_batching", "ensemble_scheduling",
+              "platform")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
@@ -335,8 +339,8 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         batching.setdefault("max_batch_size", _typed_value("int", raw["max_batch_size"], "max_batch_size", at))
     settings: dict[str, Any] = {
         k: raw[k]
-        for k in ("instances", "intra_op_threads", "inter_op_threads", "optimization", "precision", "sequence_axis",
-                  "limits")
+        for k in ("instances", "intra_op_threads", "inter_op_threads", "lone_request_threads", "optimization",
+                  "precision", "sequence_axis", "limits")
         if k in raw
     }  # fmt: skip
     settings = _typed(ModelConfig, settings, at)

@@ -28,9 +28,11 @@ OVERLAP_HANDOFFS = 3  # see `DynamicBatcher.use`
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
 
-__all__ = ["DynamicBatcher", "select_batch"]
+__all__ = ["LONE", "DynamicBatcher", "select_batch"]
 
 log = logging.getLogger("qkv.batching")
+
+LONE = -1  # the instance `run_batch` is told for a batch running alone (DynamicBatcher's `lone`)
 
 
 def select_batch(
@@ -96,9 +98,14 @@ class DynamicBatcher:
         run_batch: Callable[[list[WorkItem], int], list[Any]],
         instances: int = 1,
         observer: BatchObserver | None = None,
+        lone: bool = False,
     ) -> None:
         self.name, self.config, self.run_batch = name, config, run_batch
         self.instances = max(1, instances)
+        # A batch that runs alone on an idle server (nothing else running or queued) is handed to
+        # `run_batch` as instance LONE: the model may spend every core on it.
+        self.lone = lone
+        self.lone_min_tokens = 0  # and holds at least this many tokens (warm-up measures where it gains)
         self.observer = observer or NullObserver()
         self.admission = Admission(name, config, self.instances)
         self.queue: list[WorkItem] = []
@@ -181,14 +188,26 @@ class DynamicBatcher:
         idle = not self.queue and len(self._idle) == self.instances
         return item.tokens <= c.inline_max_tokens and idle and self.pacing.alone()
 
+    def _alone(self, items: list[WorkItem]) -> bool:
+        """Whether `items`, about to start, run alone: every instance idle, nothing left queued, requests
+        coming one at a time, and enough tokens for every core to gain."""
+        return (
+            self.lone
+            and not self.queue
+            and len(self._idle) == self.instances
+            and self.pacing.alone()
+            and sum(x.tokens for x in items) >= self.lone_min_tokens
+        )
+
     def _run_inline(self, item: WorkItem) -> Any:
+        alone = self._alone([item])
         instance = self._idle.pop()
         self.admission.release(item.tokens)
         item.started = start = time.monotonic()
         self.observer.waited(0.0)
         span = self.tracer.open_batch(self.name, [item], instance, "inline") if self.tracer is not None else None
         try:
-            (result,) = self._compute([item], instance)
+            (result,) = self._compute([item], LONE if alone else instance)
         finally:
             self._idle.append(instance)
             self.pacing.inlined(time.monotonic())
@@ -258,21 +277,23 @@ class DynamicBatcher:
             c = self.config
             max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
             items = self._take(self.select(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
-            task = asyncio.create_task(self._run(items, self._idle.pop()))
+            alone = self._alone(items)
+            task = asyncio.create_task(self._run(items, self._idle.pop(), alone))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _run(self, items: list[WorkItem], instance: int) -> None:
-        """One batch on `instance`; whatever goes wrong, each of its requests is answered."""
+    async def _run(self, items: list[WorkItem], instance: int, alone: bool = False) -> None:
+        """One batch on `instance`'s thread (as LONE when `alone`); whatever goes wrong, each of its requests is
+        answered."""
         try:
-            await self._run_batch(items, instance)
+            await self._run_batch(items, instance, alone)
         except Exception as e:
             log.error("model '%s': batch of %d failed outside its computation", self.name, len(items), exc_info=e)
             for x in items:
                 if not x.future.done():
                     x.future.set_exception(Internal(f"model '{self.name}' failed on this batch: {e}"))
 
-    async def _run_batch(self, items: list[WorkItem], instance: int) -> None:
+    async def _run_batch(self, items: list[WorkItem], instance: int, alone: bool) -> None:
         start = time.monotonic()
         for x in items:
             x.started = start
@@ -280,7 +301,8 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         span = self.tracer.open_batch(self.name, items, instance, "dynamic") if self.tracer is not None else None
         try:
-            results = await loop.run_in_executor(self._executors[instance], self._compute, items, instance)
+            run_as = LONE if alone else instance
+            results = await loop.run_in_executor(self._executors[instance], self._compute, items, run_as)
         finally:
             self._idle.append(instance)
             self._changed.set()

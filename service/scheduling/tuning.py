@@ -119,6 +119,22 @@ def sweep(run: Callable[[int], float], length: int, max_rows: int) -> list[tuple
     return points
 
 
+LONE_GAIN = 0.9  # the lone session is used where it takes at most this share of an instance's time
+
+
+def lone_threshold(points: list[tuple[int, float, float]]) -> int | None:
+    """The fewest tokens from which a batch running alone is faster on the lone session (every core) than on
+    an instance: the smallest measured size from which every larger one took at most LONE_GAIN of an
+    instance's time (`points`: tokens, an instance's seconds, the lone session's seconds). None when no size
+    gains: a small model loses more to waking threads than it wins from them."""
+    threshold = None
+    for tokens, instance, lone in sorted(points, reverse=True):
+        if lone > LONE_GAIN * instance:
+            break
+        threshold = tokens
+    return threshold
+
+
 def served_seconds(executor: Executor, batch: Callable[[], object], pause: float = 0.002) -> float:
     """Seconds for an event loop to have `batch` run on an instance's thread and get its result back, after
     a pause (so the threads have gone to sleep, as between requests): a batch's cost as served, not as

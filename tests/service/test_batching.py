@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,12 @@ from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
 from service.loadgen import encoder_request, g2p_word_request
+from service.models.runtime import lone_threads
+from service.repository.layout import ModelConfig
 from service.scheduling.admission import WorkItem
-from service.scheduling.batching import DynamicBatcher, select_batch
+from service.scheduling.batching import LONE, DynamicBatcher, select_batch
 from service.scheduling.config import BatchingConfig
+from service.scheduling.tuning import lone_threshold
 from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import Recorder, blocker_request, model_stats, until, until_computing
@@ -229,6 +233,64 @@ def test_a_small_request_on_an_idle_server_runs_inline_and_a_failure_stays_its_o
     asyncio.run(run())
 
 
+def test_a_batch_alone_on_an_idle_server_runs_as_lone_and_one_beside_another_on_its_instance() -> None:
+    async def run() -> None:
+        model = Doubler()  # the first batch holds until the gate opens
+        b = DynamicBatcher("m", BatchingConfig(enabled=False), model, instances=2, lone=True)
+        b.start()
+        first = asyncio.ensure_future(b.submit(_item(1)))
+        await until(lambda: model.instances == [LONE], "the first request computing, alone")
+        second = asyncio.ensure_future(b.submit(_item(2)))  # the first still computes: not alone
+        assert await second == 4
+        model.gate.set()
+        assert await first == 2
+        assert await b.submit(_item(3)) == 6  # alone again
+        assert model.instances == [LONE, 1, LONE]
+        await b.close()
+
+        # Without a lone session, no batch is told LONE.
+        plain = Doubler(hold_first=False)
+        b = DynamicBatcher("m", BatchingConfig(enabled=False), plain, instances=2)
+        b.start()
+        assert await b.submit(_item(4)) == 8
+        assert plain.instances == [0]
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_the_lone_session_serves_the_lengths_from_which_it_gains_and_none_when_it_never_does() -> None:
+    # (tokens, an instance's seconds, the lone session's): every core gains from 64 tokens on
+    measured = [(8, 1.0, 1.2), (16, 1.0, 0.95), (32, 1.0, 1.05), (64, 1.0, 0.7), (128, 2.0, 1.2), (256, 4.0, 2.1)]
+    assert lone_threshold(measured) == 64
+    assert lone_threshold([(8, 1.0, 0.5)]) == 8
+    assert lone_threshold([(8, 1.0, 0.95), (64, 1.0, 0.99)]) is None  # never by more than the noise
+    assert lone_threshold([]) is None
+
+
+def test_a_small_batch_alone_stays_on_its_instance_below_the_lone_threshold() -> None:
+    async def run() -> None:
+        model = Doubler(hold_first=False)
+        b = DynamicBatcher("m", BatchingConfig(enabled=False), model, instances=2, lone=True)
+        b.lone_min_tokens = 64
+        b.start()
+        assert await b.submit(_item(1, length=40)) == 2
+        assert await b.submit(_item(2, length=64)) == 4
+        assert model.instances == [0, LONE]
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_lone_threads_are_every_core_unless_an_instance_has_as_many(tmp_path: Path) -> None:
+    config = ModelConfig("m", "tensor", "1", tmp_path)
+    cores = len(os.sched_getaffinity(0))
+    assert lone_threads(config) == (cores if cores > 1 else 0)
+    assert lone_threads(replace(config, lone_request_threads=4)) == 4
+    assert lone_threads(replace(config, lone_request_threads=0)) == 0
+    assert lone_threads(replace(config, lone_request_threads=4, intra_op_threads=4)) == 0
+
+
 # -- over the wire: a real server ----------------------------------------------------------------
 
 
@@ -424,7 +486,8 @@ def test_compute_runs_below_the_event_loop(quiet_server: RunningServer) -> None:
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: [])(0)) < 2, reason="needs two cores")
 def test_two_one_instance_models_compute_on_different_cores(tmp_path: Path) -> None:
     newest = {"latest": {"num_versions": 1}}  # one g2p version, so one instance of each model
-    repo = variant(MODELS, tmp_path / "models", {"g2p_encoder": {"instances": 1},
+    # (no lone session: its threads are onnxruntime's, not an instance's)
+    repo = variant(MODELS, tmp_path / "models", {"g2p_encoder": {"instances": 1, "lone_request_threads": 0},
                                                  "g2p": {"instances": 1, "version_policy": newest}})  # fmt: skip
     s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
     try:

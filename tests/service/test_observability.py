@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 
 from service import protocol
+from service.bench.servers import variant
 from service.client import g2p_request
 from service.loadgen import encoder_request
 from service.observability.metrics import seq_len_bucket
-from tests.conftest import ROOT, RunningServer, start_server, stop_server
+from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
 
 sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
 from dashboard_queries import queries
@@ -52,12 +53,24 @@ def sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
+PIPELINE = "g2p_pipeline"
+PIPELINE_CONFIG = {
+    "kind": "ensemble",
+    "max_batch_size": 0,
+    "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [-1]}],
+    "outputs": [{"name": "PHONEMES", "datatype": "BYTES", "shape": [-1]}],
+    "ensemble_scheduling": {
+        "step": [{"model_name": "g2p", "input_map": {"TEXT": "TEXT"}, "output_map": {"PHONEMES": "PHONEMES"}}]
+    },
+}
+
+
 class Load:
     """Requests of every length bucket plus a few bad ones, until stopped; counts what it sent."""
 
     def __init__(self, url: str, http_url: str) -> None:
         self.url, self.http_url, self.stop = url, http_url, threading.Event()
-        self.sent = {"ok": 0, "invalid": 0, "tokens": 0}
+        self.sent = {"ok": 0, "invalid": 0, "tokens": 0, "ensemble": 0}
         self.by_length = dict.fromkeys(LENGTHS, 0)  # encoder requests answered, by length
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -72,6 +85,8 @@ class Load:
                     self.sent["tokens"] += n
                     self.by_length[n] += 1
                 stub.ModelInfer(g2p_request(["hello", "world"]), timeout=30)
+                stub.ModelInfer(g2p_request(["pipeline"], model=PIPELINE), timeout=30)  # an ensemble's one step
+                self.sent["ensemble"] += 1
                 try:
                     stub.ModelInfer(g2p_request(["h\x07llo"]), timeout=30)  # a control character: refused
                 except grpc.RpcError:
@@ -103,7 +118,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSer
     if not shutil.which("prometheus"):
         pytest.fail("prometheus is not installed: apt-get install prometheus (make test does)")
     tmp = tmp_path_factory.mktemp("prom")
-    server = start_server([], tmp / "server.log")
+    repo = variant(MODELS, tmp / "models", {})
+    (repo / PIPELINE / "1").mkdir(parents=True)  # the shipped models and an ensemble of g2p, for its metrics
+    (repo / PIPELINE / "config.json").write_text(json.dumps(PIPELINE_CONFIG))
+    server = start_server(["--model-repository", str(repo)], tmp / "server.log")
     port = free_port()
     metrics = server.metrics_url.removeprefix("http://").removesuffix("/metrics")
     shutil.copy(ROOT / "deploy" / "prometheus" / "rules.yml", tmp / "rules.yml")
@@ -208,6 +226,11 @@ def test_counters_match_what_the_client_sent(stack: tuple[RunningServer, str, Lo
     assert sample(text, "qkv_tokens_total", model="g2p_encoder", direction="input") == sent["tokens"]
     assert sample(text, "qkv_request_duration_seconds_count", model="g2p_encoder") == sent["ok"]
     assert sample(text, "qkv_inflight_requests", model="g2p_encoder") == 0
+    assert sample(text, "qkv_requests_total", model=PIPELINE, code="OK") == sent["ensemble"]
+    assert (
+        sample(text, "qkv_ensemble_steps_total", model=PIPELINE, step="0", step_model="g2p", code="OK")
+        == sent["ensemble"]
+    )
     assert re.search(r'qkv_model_info\{model="g2p",provider="CPUExecutionProvider",version="1"\} 1.0', text)
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
