@@ -396,6 +396,29 @@ class TensorModel:
             key.append((s.name, tuple(dims)))
         return tuple(key)
 
+    def _checked_limits(self, feeds: dict[str, np.ndarray]) -> int:
+        """The request's sequence length, after config.json's limits: INVALID_ARGUMENT naming the input when
+        a sequence is empty or too long, or a token id lies outside its vocabulary."""
+        for s in self.inputs:
+            # An empty tensor (a 0 in a dimension of the model's own) is served, as onnxruntime and Triton serve
+            # it; an empty sequence is not: a sequence model (attention over no position) has no answer for it.
+            empty = feeds[s.name]
+            if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
+                raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
+        length = self._length(feeds)
+        # Without a sequence axis, max_sequence_length bounds the elements of one row.
+        longest = length if self.sequence_axis is not None else self._row_elements(feeds)
+        if self.max_sequence_length and longest > self.max_sequence_length:
+            raise InvalidArgument(
+                f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
+            )
+        for name, size in self.vocab_size.items():
+            a = feeds.get(name)
+            if a is not None and a.size and (a.min() < 0 or a.max() >= size):
+                bad = int(a.min()) if a.min() < 0 else int(a.max())
+                raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
+        return length
+
     async def infer(
         self,
         inputs: dict[str, np.ndarray],
@@ -415,26 +438,9 @@ class TensorModel:
         n = rows.pop()
         if n < 1:
             raise InvalidArgument("the batch dimension (axis 0) is 0: nothing to infer")
-        for s in self.inputs:
-            # An empty tensor (a 0 in a dimension of the model's own) is served, as onnxruntime and Triton serve
-            # it; an empty sequence is not: a sequence model (attention over no position) has no answer for it.
-            empty = feeds[s.name]
-            if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
-                raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
         if self.batchable and n > self.max_batch_size:
             raise InvalidArgument(f"batch of {n} exceeds model '{self.name}' max_batch_size {self.max_batch_size}")
-        length = self._length(feeds)
-        # Without a sequence axis, max_sequence_length bounds the elements of one row.
-        longest = length if self.sequence_axis is not None else self._row_elements(feeds)
-        if self.max_sequence_length and longest > self.max_sequence_length:
-            raise InvalidArgument(
-                f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
-            )
-        for name, size in self.vocab_size.items():
-            a = feeds.get(name)
-            if a is not None and a.size and (a.min() < 0 or a.max() >= size):
-                bad = int(a.min()) if a.min() < 0 else int(a.max())
-                raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
+        length = self._checked_limits(feeds)
         feeds = {
             s.name: _as_strings(feeds[s.name], s.name, self.name) if s.datatype == "BYTES" else feeds[s.name]
             for s in self.inputs

@@ -105,6 +105,7 @@ class StatefulTensorModel(TensorModel):
                 "control or state); send only " + ", ".join(s.name for s in self.inputs)
             )
         feeds = checked_feeds(self.inputs, inputs, self.name)
+        self._checked_limits(feeds)  # a bad row refused here, before it can fail the batch it would join
         names = [o.name for o in self.outputs]
         for o in outputs:
             if o not in names:

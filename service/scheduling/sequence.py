@@ -10,7 +10,9 @@ first request: zeros, or a file's values), and stores the state outputs back aft
 Strategies: `oldest` batches the oldest waiting request of up to max_batch_size sequences, on any idle
 instance (the state lives here, not in the instance). `direct` binds each sequence to a batch slot of one
 instance for its life: row k of that instance's batches is always the same sequence, and a slot with no
-request runs as a row with READY false.
+request runs as a row with READY false. Either way a batch holds only rows whose inputs and states have
+the shapes of its oldest row's, as Triton batches them: a state may change shape from one request to the
+next (a key/value cache grows a position a step), and rows of other shapes wait for the next batch.
 
 Bounded: live sequences (max_sequences; for direct, also the slots), their state bytes (max_state_bytes)
 and queued requests. A new sequence beyond them is refused RESOURCE_EXHAUSTED (retryable); a sequence
@@ -351,24 +353,37 @@ class SequenceBatcher:
         heads = self._heads()
         if not heads:
             return None
-        chosen = {id(step) for step in select_oldest([h for _, h in heads], self.max_rows)}
+        shapes = self._shapes(*min(heads, key=lambda x: x[1].order))
+        alike = [h for s, h in heads if self._shapes(s, h) == shapes]
+        chosen = {id(step) for step in select_oldest(alike, self.max_rows)}
         rows: list[tuple[_Sequence | None, SequenceStep]] = sorted(
             ((s, h) for s, h in heads if id(h) in chosen), key=lambda x: x[1].order
         )
         return self._idle.pop(), rows
 
     def _slot_rows(self, heads: list[tuple[_Sequence, SequenceStep]]) -> list[tuple[_Sequence | None, SequenceStep]]:
-        """Direct: rows 0..the highest ready slot; a slot without a request is a filler row, READY false."""
-        by_row = {s.slot[1]: (s, h) for s, h in heads if s.slot is not None}
-        sample = next(iter(by_row.values()))[1]
+        """Direct: rows 0..the highest ready slot whose request has the shapes of the oldest; any other slot
+        is a filler row, READY false, of zeros in those shapes (its own request, if any, waits)."""
+        seq, sample = min(heads, key=lambda x: x[1].order)
+        shapes = self._shapes(seq, sample)
+        by_row = {s.slot[1]: (s, h) for s, h in heads if s.slot is not None and self._shapes(s, h) == shapes}
+        zeros = {k: np.zeros_like(v) for k, v in (sample.inputs | self._row_state(seq, sample)).items()}
         rows: list[tuple[_Sequence | None, SequenceStep]] = []
         for r in range(max(by_row) + 1):
             if r in by_row:
                 rows.append(by_row[r])
             else:
-                zeros = {k: np.zeros_like(v) for k, v in sample.inputs.items()}
-                rows.append((None, SequenceStep(0, False, False, zeros, None, ready=False)))
+                rows.append((None, SequenceStep(0, False, False, dict(zeros), None, ready=False)))
         return rows
+
+    def _row_state(self, seq: _Sequence, step: SequenceStep) -> dict[str, np.ndarray]:
+        """The state the step will run with: the initial one on a start."""
+        state = self.initial if step.start else seq.state
+        return {k: v for k, v in state.items() if v is not None}
+
+    def _shapes(self, seq: _Sequence, step: SequenceStep) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """What rows of one batch share: the shape of every input and state (rows are stacked on axis 0)."""
+        return tuple(sorted((k, v.shape) for k, v in (step.inputs | self._row_state(seq, step)).items()))
 
     def _wait_for_company(self) -> float:
         """Seconds a partial batch (oldest) waits for more sequences: only while an instance computes
@@ -395,8 +410,8 @@ class SequenceBatcher:
             else:
                 on = {"START": step.start, "END": step.end, "READY": step.ready}[c.kind]
                 feeds[c.input_name] = _flag(c, on)
-        for s in self.config.states:
-            value = seq.state[s.input_name] if seq is not None else self.initial[s.input_name]
+        for s in self.config.states:  # a filler row brings zeros of its batch's state shapes
+            value = seq.state[s.input_name] if seq is not None else step.inputs.get(s.input_name)
             assert value is not None
             feeds[s.input_name] = value
         step.feeds = feeds
