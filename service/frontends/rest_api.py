@@ -52,7 +52,7 @@ from service.frontends.security import BearerTokens
 from service.frontends.statuses import HTTP_STATUS, http_status
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
-from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter
+from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
 __all__ = ["RestServer"]
 
@@ -137,10 +137,14 @@ class _TextInput:
     id: str
     parameters: dict[str, Parameter]
 
-    def request(self, model: str, version: str, text: str, method: str, carrier: Any) -> InferRequest:
-        """What generate sends the model: TEXT [1], as a gRPC client of g2p would."""
+    def request(
+        self, model: str, version: str, text: str, method: str, carrier: Any, outputs: tuple[str, ...] = ()
+    ) -> InferRequest:
+        """What generate sends the model: TEXT [1], as a gRPC client of g2p would (`outputs`: those asked for;
+        none, the model's default)."""
         tensor = InferInput("TEXT", "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
-        return InferRequest(model, version, self.id, [tensor], (), self.parameters, None, carrier, method)
+        asked = tuple(RequestedOutput(name) for name in outputs)
+        return InferRequest(model, version, self.id, [tensor], asked, self.parameters, None, carrier, method)
 
 
 class RestServer:
@@ -481,14 +485,33 @@ class RestServer:
         """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
         body = await self._text_input(request)
         method = "POST /v2/models/{model}/generate"
-        outcome = await self.plane.infer(body.request(model, version, body.text, method, self._carrier(request)))
+        outputs = self._word_outputs(model, version)
+        outcome = await self.plane.infer(
+            body.request(model, version, body.text, method, self._carrier(request), outputs)
+        )
         if isinstance(outcome, ServingError):
             return _failed(outcome)
         phonemes = output_text(outcome, "PHONEMES")
-        words = self._text_words(outcome.model_name, outcome.model_version, body.text) or []
         doc = self._generated(outcome, phonemes)
-        doc["words"] = [{"word": w, "phonemes": p} for (_, w), p in zip(words, phonemes.split(" | "), strict=False)]
+        if outputs:  # each word as the model read it ("$5": five, dollars), its phonemes, and why it has none
+            read = [bytes(w).decode(errors="replace") for w in outcome.outputs["WORDS"]]
+            why = [bytes(r).decode(errors="replace") for r in outcome.outputs["REASONS"]]
+            said = phonemes.split(" | ") if read else []
+            doc["words"] = [
+                {"word": w, "phonemes": p} | ({"reason": r} if r else {})
+                for w, p, r in zip(read, said, why, strict=True)
+            ]
         return _json(doc)
+
+    def _word_outputs(self, model: str, version: str) -> tuple[str, ...]:
+        """The outputs generate asks for: PHONEMES, WORDS and REASONS from a model that has them (g2p); none
+        (the model's default) otherwise, or when the model is not served (its request says why)."""
+        try:
+            names = {s.name for s in self.plane.model(model, version).outputs}
+        except ServingError:
+            return ()
+        wanted = ("PHONEMES", "WORDS", "REASONS")
+        return wanted if set(wanted) <= names else ()
 
     @staticmethod
     def _generated(outcome: InferResponse, text_output: str) -> dict[str, Any]:

@@ -230,6 +230,16 @@ def test_generate_answers_text_and_each_words_phonemes(web: RunningServer) -> No
     doc = json.loads(body)
     assert doc["text_output"] == "HH EH1 L OW0 | W ER1 L D"
     assert doc["words"] == [{"word": "hello", "phonemes": "HH EH1 L OW0"}, {"word": "world", "phonemes": "W ER1 L D"}]
+    # each word as the model reads it: "$5" is two, and a word it cannot spell is answered with why
+    status, _, body = post(web.http_url, "/v2/models/g2p/generate", "Paid $5 for \u263a tea".encode())
+    assert status == 400  # not JSON
+    text = json.dumps({"text_input": "Paid $5 for \u263a tea"}).encode()
+    status, _, body = post(web.http_url, "/v2/models/g2p/generate", text)
+    assert status == 200
+    words = json.loads(body)["words"]
+    assert [w["word"] for w in words] == ["paid", "five", "dollars", "for", "\u263a", "tea"]
+    assert all(w["phonemes"] for i, w in enumerate(words) if i != 4) and words[4]["phonemes"] == ""
+    assert words[4]["reason"] and all("reason" not in w for i, w in enumerate(words) if i != 4)
     status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u0007llo"}')
     assert status == 400 and "cannot spell character" in json.loads(body)["error"]
     status, _, body = post(web.http_url, "/v2/models/g2p_encoder/generate", b'{"text_input": "hello"}')
