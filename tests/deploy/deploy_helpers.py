@@ -40,6 +40,9 @@ METRICS = {
     "qkv_tokens": "counter",
     "qkv_model_info": "gauge",
     "qkv_http_requests": "counter",
+    "qkv_live_sequences": "gauge",
+    "qkv_sequence_state_bytes": "gauge",
+    "qkv_expired_sequences": "counter",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}
