@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -229,8 +230,8 @@ class SequenceBatcher:
             task.add_done_callback(self._task_ended)
 
     def _task_ended(self, task: asyncio.Task[None]) -> None:
-        """Supervision: a dispatcher or reaper that died fails what is queued and all that comes after, and
-        says so (the registry, told by `on_failure`, takes the version out)."""
+        """Supervision: a dispatcher, reaper or batch that died fails what is queued and all that comes after,
+        and says so (the registry, told by `on_failure`, takes the version out)."""
         error = None if task.cancelled() else task.exception()
         if error is None or self.failure:
             return
@@ -548,9 +549,20 @@ class SequenceBatcher:
                     seq.running = True
                     self.queued -= 1
                 self._feeds(seq, step)
-            task = asyncio.create_task(self._run(rows, instance))
+            task = asyncio.create_task(self._run(rows, instance), name=f"qkv-{self.name}-sequence-batch")
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+            task.add_done_callback(functools.partial(self._batch_ended, rows))
+
+    def _batch_ended(self, rows: list[tuple[_Sequence | None, SequenceStep]], task: asyncio.Task[None]) -> None:
+        """Supervision of a batch: should its bookkeeping fail, its requests are answered, not left waiting,
+        and the batcher stops (the sequences' state can no longer be trusted)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._task_ended(task)
+        for _, step in rows:
+            if step.future is not None and not step.future.done():
+                step.future.set_exception(Unavailable(self.failure))
 
     async def _run(self, rows: list[tuple[_Sequence | None, SequenceStep]], instance: int) -> None:
         loop = asyncio.get_running_loop()

@@ -59,12 +59,16 @@ class Seen:
     def __init__(self) -> None:
         self.sequences_and_bytes: list[tuple[int, int]] = []
         self.expired = 0
+        self.rows: list[int] = []  # of each batch
 
     def sequences(self, live: int, state_bytes: int) -> None:
         self.sequences_and_bytes.append((live, state_bytes))
 
     def sequences_expired(self, count: int) -> None:
         self.expired += count
+
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        self.rows.append(rows)
 
 
 class Accumulator:
@@ -267,6 +271,7 @@ def test_idle_sequences_are_freed_at_their_expiry_time_with_no_request_coming() 
         clock.now = 110.0  # past both 2's (108) and 3's (110)
         await until(lambda: not b.live)
         assert b.state_bytes == 0 and b.expired == 3 and seen.sequences_and_bytes[-1] == (0, 0)
+        assert seen.rows == [1, 2, 1]  # direct: row 0 alone, row 1 after a filler row 0, then row 0 again
         await until(lambda: not clock.sleepers)  # nothing idle: the reaper waits for a sequence, not the clock
         await b.submit(step(4, 1, start=True))
         await until(lambda: clock.sleepers == [115.0])
@@ -292,6 +297,25 @@ def test_a_reaper_that_fails_makes_the_model_refuse_requests_saying_why() -> Non
         ):
             await b.submit(step(1, 1))
         assert str(told[0]) == b.failure
+        await b.close()
+
+    run(test)
+
+
+class Failing(Seen):
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        raise RuntimeError("observer broke")
+
+
+def test_a_batch_whose_bookkeeping_fails_answers_its_requests_and_stops_the_batcher() -> None:
+    async def test() -> None:
+        c = SequenceConfig(strategy="oldest", controls=CONTROLS, states=(STATE,))
+        b = SequenceBatcher("acc", c, Accumulator(), 8, 1, Clock(), observer=Failing())
+        b.start()
+        with pytest.raises(Unavailable, match=r"sequence-batch failed: RuntimeError\('observer broke'\)"):
+            await b.submit(step(1, 1, start=True))
+        with pytest.raises(Unavailable, match="observer broke"):
+            await b.submit(step(2, 1, start=True))
         await b.close()
 
     run(test)
