@@ -43,6 +43,11 @@ def _mean(histogram: str, by: str) -> str:
     return f"{_rate(histogram + '_sum', by)} / {_rate(histogram + '_count', by)}"
 
 
+def _or_zero(expr: str) -> str:
+    """`expr`, or a single 0 when it has no series (a metric only some models have, none of them serving)."""
+    return f"{expr} or on() vector(0)"
+
+
 def _target(
     expr: str, legend: str, ref: str, fmt: str = "time_series", instant: bool = False, exemplar: bool = False
 ) -> dict[str, Any]:
@@ -314,6 +319,41 @@ def _layout() -> list[tuple[Panel, int, int]]:
                 ),
             ),
             24,
+            8,
+        ),
+        (_row("Sequences"), 24, 1),
+        (
+            _timeseries(
+                "Live sequences",
+                "Stateful models' sequences started and not yet ended or freed (qkv_live_sequences); 0 when "
+                "no stateful model has started one. Abandoned sequences leave within "
+                "max_sequence_idle_microseconds.",
+                "short",
+                _targets((_or_zero(f"sum by (model) (qkv_live_sequences{{{SEL}}})"), "live {{model}}")),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Sequence state held",
+                "Bytes of implicit state the live sequences hold (qkv_sequence_state_bytes), bounded per model "
+                "by sequence_batching.max_state_bytes.",
+                "bytes",
+                _targets((_or_zero(f"sum by (model) (qkv_sequence_state_bytes{{{SEL}}})"), "state {{model}}")),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Sequences freed for idling",
+                "Sequences per second freed after max_sequence_idle_microseconds with nothing to do "
+                "(qkv_expired_sequences_total): clients that abandon sequences instead of ending them.",
+                "short",
+                _targets((_or_zero(_rate("qkv_expired_sequences_total", "model")), "freed/s {{model}}")),
+            ),
+            8,
             8,
         ),
         (_row("Models"), 24, 1),

@@ -5,6 +5,7 @@
     qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
     qkv bench --peers                         # beside Triton, MLServer, plain grpc.aio (makes their venvs)
     qkv bench --text                          # g2p on English text, its response cache on and off
+    qkv bench --sequences                     # a stateful model: 64 sequences at once vs one at a time
 
 Every served figure is a ratio to a figure measured in the same run on the same machine (the
 in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="--peers: seq 16 only, 1 s a cell: a smoke test")
     parser.add_argument("--text", action="store_true", help="g2p on English text (fortunes): response cache on/off")
     parser.add_argument("--text-file", type=Path, metavar="PATH", help="--text on this file (or directory) instead")
+    parser.add_argument("--sequences", action="store_true", help="stateful steps: 64 sequences at once vs one")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -115,6 +117,12 @@ def main(argv: list[str]) -> int:
 
         print(text_table(text_bench(args.model_repository, args.out, args.seconds, args.text_file)))
         print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
+        return 0
+    if args.sequences:
+        from service.bench.sequences import sequences_bench, sequences_table
+
+        print(sequences_table(sequences_bench(args.out, args.seconds)))
+        print(f"wrote {args.out / 'sequences.json'}")
         return 0
     if args.versions:
         from service.bench.versions import versions, versions_table
@@ -187,7 +195,7 @@ def _check(args: argparse.Namespace) -> None:
         from service.bench.text import corpus_files
 
         corpus_files(args.text_file)  # the corpus there, or how to get it
-    if not (args.zoo or args.peers) and not args.model_repository.is_dir():  # the zoo brings its own models
+    if not (args.zoo or args.peers or args.sequences) and not args.model_repository.is_dir():  # they bring their own
         raise UsageError(f"model repository not found: {args.model_repository}")
 
 

@@ -65,7 +65,13 @@ class StatefulTensorModel(TensorModel):
         self.graph_inputs = runtime.inputs
         self.inputs = [s for s in runtime.inputs if s.name not in sequence.hidden_inputs]  # what clients send
         self.sequencer = SequenceBatcher(
-            self.name, sequence, self._run_steps, self.max_batch_size, len(runtime.sessions), initial=initial
+            self.name,
+            sequence,
+            self._run_steps,
+            self.max_batch_size,
+            len(runtime.sessions),
+            initial=initial,
+            observer=observer,
         )
 
     def warm_up(self, length: int = 64) -> None:
@@ -84,6 +90,8 @@ class StatefulTensorModel(TensorModel):
             raise RepositoryError(f"model '{self.name}' version {self.version}: warm-up failed: {e}") from e
 
     def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        """Sequences are served; `on_failure` hears if the batcher's dispatcher or reaper dies."""
+        self.sequencer.on_failure = on_failure
         self.sequencer.start()
 
     async def close(self) -> None:

@@ -174,11 +174,26 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Stateful models (sequence batching): what their live sequences hold.
+        self.live_sequences = Gauge(
+            "qkv_live_sequences", "Sequences started and not yet ended or freed", ["model", "version"], registry=r
+        )
+        self.sequence_state_bytes = Gauge(
+            "qkv_sequence_state_bytes", "Bytes of implicit state the live sequences hold", ["model", "version"],
+            registry=r,
+        )  # fmt: skip
+        self.expired_sequences = Counter(
+            "qkv_expired_sequences",
+            "Sequences freed for idling past max_sequence_idle_microseconds",
+            ["model", "version"],
+            registry=r,
+        )
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
             self.dropped, self.batching_setting, self.ensemble_steps, self.ensemble_step_duration,
+            self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -228,17 +243,19 @@ class CacheMetrics:
 
 
 class ModelObserver:
-    """The batchers' `BatchObserver` for one model version, with its label children bound once."""
+    """The batchers' `BatchObserver` (and the sequence batcher's `SequenceObserver`) for one model version,
+    with its label children bound once (the sequence series only once a sequence starts)."""
 
     def __init__(self, metrics: Metrics, model: str, version: str) -> None:
         labels = (model, version)
+        self._metrics, self._labels = metrics, labels
+        self._sequence_series: tuple[Gauge, Gauge] | None = None  # bound by the first `sequences`
         self._depth = metrics.queue_depth.labels(*labels)
         self._queue = metrics.queue_duration.labels(*labels)
         self._compute = metrics.compute_duration.labels(*labels)
         self._size = metrics.batch_size.labels(*labels)
         self._padding = metrics.padding_ratio.labels(*labels)
         self._dropped = {r: metrics.dropped.labels(*labels, r) for r in ("cancelled", "deadline")}
-        self._metrics, self._labels = metrics, labels
         self._real = metrics.batch_tokens.labels(*labels, "real")
         self._pad = metrics.batch_tokens.labels(*labels, "padding")
 
@@ -265,3 +282,16 @@ class ModelObserver:
         self._metrics.ensemble_steps.labels(*step, code).inc()
         if code == "OK":
             self._metrics.ensemble_step_duration.labels(*step).observe(seconds)
+
+    def sequences(self, live: int, state_bytes: int) -> None:
+        if self._sequence_series is None:
+            m = self._metrics
+            self._sequence_series = (
+                m.live_sequences.labels(*self._labels),
+                m.sequence_state_bytes.labels(*self._labels),
+            )
+        self._sequence_series[0].set(live)
+        self._sequence_series[1].set(state_bytes)
+
+    def sequences_expired(self, count: int) -> None:
+        self._metrics.expired_sequences.labels(*self._labels).inc(count)

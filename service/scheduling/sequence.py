@@ -15,24 +15,28 @@ the shapes of its oldest row's, as Triton batches them: a state may change shape
 next (a key/value cache grows a position a step), and rows of other shapes wait for the next batch.
 
 Bounded: live sequences (max_sequences; for direct, also the slots), their state bytes (max_state_bytes)
-and queued requests. A new sequence beyond them is refused RESOURCE_EXHAUSTED (retryable); a sequence
-idle longer than max_sequence_idle_microseconds is freed. The clock is injected (tests never sleep).
-Like `DynamicBatcher`, it knows neither gRPC nor onnxruntime: it is handed `run_batch(steps, instance)`.
+and queued requests. A new sequence beyond them is refused RESOURCE_EXHAUSTED (retryable). A sequence
+idle for max_sequence_idle_microseconds is freed at that moment by a reaper task (and, at the latest,
+when the next request comes). The clock and the reaper's sleep are injected (tests drive them, never
+sleep). Two supervised tasks: the dispatcher and the reaper; should either fail, the model refuses every
+request with UNAVAILABLE and says why. Like `DynamicBatcher`, it knows neither gRPC nor onnxruntime: it is
+handed `run_batch(steps, instance)`, and reports to a `SequenceObserver`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,13 +45,35 @@ from service.datatypes import NUMPY_DTYPES, decode_bytes
 from service.errors import Internal, InvalidArgument, ResourceExhausted, ServingError, Unavailable, quote
 from service.scheduling.sequence_config import Control, SequenceConfig, StateSpec
 
-__all__ = ["MAX_ID_CHARS", "CorrelationId", "SequenceBatcher", "SequenceStep", "initial_state", "select_oldest"]
+__all__ = [
+    "MAX_ID_CHARS",
+    "CorrelationId",
+    "SequenceBatcher",
+    "SequenceObserver",
+    "SequenceStep",
+    "initial_state",
+    "select_oldest",
+]
 
 log = logging.getLogger("qkv.sequence")
 
 CorrelationId = int | str
 MAX_ID_CHARS = 256  # a string correlation id, at most (it is kept while its sequence lives)
 MAX_QUEUED = 4096  # requests waiting in all sequences together, at most
+
+
+class SequenceObserver(Protocol):
+    """What the batcher reports as sequences come and go (the metrics, service/observability/metrics.py)."""
+
+    def sequences(self, live: int, state_bytes: int) -> None: ...
+    def sequences_expired(self, count: int) -> None: ...
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
+
+
+class _NoObserver:
+    def sequences(self, live: int, state_bytes: int) -> None: ...
+    def sequences_expired(self, count: int) -> None: ...
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -75,7 +101,7 @@ class _Sequence:
     id: CorrelationId
     slot: tuple[int, int] | None  # direct: (instance, row)
     state: dict[str, np.ndarray]  # state input name -> its value for the next request (1, *dims)
-    last_active: float
+    last_active: float  # set only by `SequenceBatcher._touch`, which keeps `live` in this order
     queue: deque[SequenceStep] = field(default_factory=deque)
     running: bool = False
     ending: bool = False  # an END request is queued (and no start after it)
@@ -148,7 +174,9 @@ class SequenceBatcher:
 
     `run_batch(steps, instance)` runs on the instance's thread and returns, per step, its outputs (a dict
     of arrays with a batch axis of 1, state outputs included) or an exception for that step alone.
-    `initial`: each state input's first value (`initial_state`); zeros of its dims when left out."""
+    `initial`: each state input's first value (`initial_state`); zeros of its dims when left out.
+    `clock` and `sleep` go together: the reaper sleeps `sleep(seconds)` until the `clock` says a
+    sequence's idle time is up."""
 
     def __init__(
         self,
@@ -160,8 +188,11 @@ class SequenceBatcher:
         clock: Callable[[], float] = time.monotonic,
         initial: dict[str, np.ndarray] | None = None,
         max_queued: int = MAX_QUEUED,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        observer: SequenceObserver | None = None,
     ) -> None:
-        self.name, self.config, self.run_batch, self.clock = name, config, run_batch, clock
+        self.name, self.config, self.run_batch, self.clock, self.sleep = name, config, run_batch, clock, sleep
+        self.observer: SequenceObserver = observer or _NoObserver()
         self.max_rows = max(1, max_batch_size)
         self.instances = max(1, instances)
         self.max_queued = max_queued
@@ -169,7 +200,9 @@ class SequenceBatcher:
         for s in config.states:
             if self.initial[s.input_name] is None:
                 self.initial[s.input_name] = initial_state(s)
-        self.live: dict[CorrelationId, _Sequence] = {}
+        # Least recently active first: every touch moves a sequence to the end, and the idle time is the same
+        # for all, so the next to expire is the first idle one (expiry never scans every live sequence).
+        self.live: OrderedDict[CorrelationId, _Sequence] = OrderedDict()
         self.queued = 0
         self.state_bytes = 0  # of every live sequence's state
         self.expired = 0  # sequences freed for idling (a count for tests and metrics)
@@ -177,9 +210,13 @@ class SequenceBatcher:
         self._idle = list(range(self.instances - 1, -1, -1))
         self._order = itertools.count()
         self._changed = asyncio.Event()
+        self._went_idle = asyncio.Event()  # a sequence finished a request: the reaper may have one to time
         self._dispatcher: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.failure = ""  # why the dispatcher or the reaper stopped, once one has: every request is refused with it
+        self.on_failure: Callable[[ServingError], None] | None = None  # told once, when a task dies
         first = priority.reserve(self.instances)
         self._executors = [
             ThreadPoolExecutor(1, f"qkv-{name}-seq{i}", priority.lower_this_thread, (first + i,))
@@ -189,7 +226,30 @@ class SequenceBatcher:
     # --- admission ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._dispatcher = asyncio.create_task(self._dispatch())
+        self._dispatcher = asyncio.create_task(self._dispatch(), name=f"qkv-{self.name}-sequence-dispatch")
+        self._reaper = asyncio.create_task(self._reap(), name=f"qkv-{self.name}-sequence-reaper")
+        for task in (self._dispatcher, self._reaper):
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Supervision: a dispatcher, reaper or batch that died fails what is queued and all that comes after,
+        and says so (the registry, told by `on_failure`, takes the version out)."""
+        error = None if task.cancelled() else task.exception()
+        if error is None or self.failure:
+            return
+        self.failure = f"model '{self.name}' is unavailable: its sequence batcher's {task.get_name()} failed: {error!r}"
+        log.error("%s", self.failure, exc_info=error)
+        self._fail_queued(Unavailable(self.failure))
+        if self.on_failure is not None:
+            self.on_failure(Unavailable(self.failure))
+
+    def _fail_queued(self, error: ServingError) -> None:
+        for seq in list(self.live.values()):
+            while seq.queue:
+                step = seq.queue.popleft()
+                self.queued -= 1
+                if step.future is not None and not step.future.done():
+                    step.future.set_exception(error)
 
     async def submit(self, step: SequenceStep) -> dict[str, np.ndarray]:
         """Queue one request of a sequence and wait for its outputs; raises a ServingError on refusal or failure.
@@ -204,6 +264,8 @@ class SequenceBatcher:
         return await asyncio.shield(step.future)
 
     def _admit(self, step: SequenceStep) -> None:
+        if self.failure:
+            raise Unavailable(self.failure)
         if self._closed:
             raise Unavailable(f"model '{self.name}' is shutting down")
         sid = self._checked_id(step.sequence_id)
@@ -244,7 +306,7 @@ class SequenceBatcher:
             seq.ending = False
         step.arrived, step.order = now, next(self._order)
         seq.queue.append(step)
-        seq.last_active = now
+        self._touch(seq, now)
         self.queued += 1
 
     def _checked_id(self, sid: Any) -> CorrelationId:
@@ -298,27 +360,62 @@ class SequenceBatcher:
         seq = _Sequence(sid, slot, self._initial_copy(), now)
         self.live[sid] = seq
         self.state_bytes += seq.state_bytes
+        self._observe()
         return seq
+
+    def _touch(self, seq: _Sequence, now: float) -> None:
+        """The sequence was active at `now`: its idle time starts again, and it moves to the end of `live`."""
+        seq.last_active = now
+        if self.live.get(seq.id) is seq:
+            self.live.move_to_end(seq.id)
+
+    def _observe(self) -> None:
+        self.observer.sequences(len(self.live), self.state_bytes)
 
     def _initial_copy(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.initial.items() if v is not None}
 
     def _next_expiry_ms(self, now: float) -> int:
+        due = self._next_due()
         idle = self.config.max_sequence_idle_us / 1e6
-        waits = [s.last_active + idle - now for s in self.live.values() if not s.queue and not s.running]
-        return max(1, int(min(waits, default=idle) * 1e3))
+        return max(1, int((idle if due is None else due - now) * 1e3))
+
+    def _next_due(self) -> float | None:
+        """When the next idle sequence (nothing queued or running) is to be freed, by the clock; None when
+        no sequence is idle. Busy sequences come before it in `live` only while they are busy."""
+        idle = self.config.max_sequence_idle_us / 1e6
+        return next((s.last_active + idle for s in self.live.values() if not s.queue and not s.running), None)
 
     def expire(self, now: float | None = None) -> int:
-        """Free the sequences idle (nothing queued or running) for longer than max_sequence_idle_microseconds;
+        """Free the sequences idle (nothing queued or running) for max_sequence_idle_microseconds or more;
         how many were freed."""
         now = self.clock() if now is None else now
         idle = self.config.max_sequence_idle_us / 1e6
-        gone = [s for s in self.live.values() if not s.queue and not s.running and now - s.last_active > idle]
+        gone = []
+        for s in self.live.values():
+            if now < s.last_active + idle:
+                break  # the rest were active later still
+            if not s.queue and not s.running:
+                gone.append(s)
         for s in gone:
-            log.info("model '%s': sequence %s idle for over %.3f s: freed", self.name, self._shown(s.id), idle)
+            # debug: thousands may expire together (the count is a metric, qkv_sequences_expired_total)
+            log.debug("model '%s': sequence %s idle for %.3f s: freed", self.name, self._shown(s.id), idle)
             self._free(s)
-        self.expired += len(gone)
+        if gone:
+            self.expired += len(gone)
+            self.observer.sequences_expired(len(gone))
         return len(gone)
+
+    async def _reap(self) -> None:
+        """Active expiry: each idle sequence is freed when its idle time is up, requests or none."""
+        while True:
+            self._went_idle.clear()
+            due = self._next_due()
+            if due is None:
+                await self._went_idle.wait()
+                continue
+            await self.sleep(max(0.0, due - self.clock()))
+            self.expire()
 
     def _free(self, seq: _Sequence) -> None:
         if self.live.get(seq.id) is seq:
@@ -329,6 +426,7 @@ class SequenceBatcher:
             self._free_slots.append(seq.slot)
             self._free_slots.sort(key=lambda s: (-s[1], -s[0]))  # the lowest row is reused first
             seq.slot = None
+        self._observe()
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -466,24 +564,37 @@ class SequenceBatcher:
                     seq.running = True
                     self.queued -= 1
                 self._feeds(seq, step)
-            task = asyncio.create_task(self._run(rows, instance))
+            task = asyncio.create_task(self._run(rows, instance), name=f"qkv-{self.name}-sequence-batch")
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+            task.add_done_callback(functools.partial(self._batch_ended, rows))
+
+    def _batch_ended(self, rows: list[tuple[_Sequence | None, SequenceStep]], task: asyncio.Task[None]) -> None:
+        """Supervision of a batch: should its bookkeeping fail, its requests are answered, not left waiting,
+        and the batcher stops (the sequences' state can no longer be trusted)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._task_ended(task)
+        for _, step in rows:
+            if step.future is not None and not step.future.done():
+                step.future.set_exception(Unavailable(self.failure))
 
     async def _run(self, rows: list[tuple[_Sequence | None, SequenceStep]], instance: int) -> None:
         loop = asyncio.get_running_loop()
         steps = [step for _, step in rows]
+        started = time.perf_counter()  # a metric's duration, not a decision: the real clock
         try:
             results = await loop.run_in_executor(self._executors[instance], self._compute, steps, instance)
         finally:
             self._idle.append(instance)
+        self.observer.batch(len(steps), 0, 0, time.perf_counter() - started)
         now = self.clock()
         for (seq, step), result in zip(rows, results, strict=True):
             if seq is None:
                 continue
             outcome = result if isinstance(result, BaseException) else self._store(seq, step, result)
             seq.running = False
-            seq.last_active = now
+            self._touch(seq, now)
             if step.end and not seq.queue:
                 self._free(seq)
             assert step.future is not None
@@ -493,7 +604,9 @@ class SequenceBatcher:
                 step.future.set_exception(outcome)
             else:
                 step.future.set_result(outcome)
+        self._observe()
         self._changed.set()
+        self._went_idle.set()
 
     def _store(self, seq: _Sequence, step: SequenceStep, result: dict[str, np.ndarray]) -> Any:
         """Keep the row's state outputs as the sequence's next state inputs; the outputs to answer with
@@ -551,18 +664,14 @@ class SequenceBatcher:
         """Refuse new requests, fail the queued ones (UNAVAILABLE), let the running batches finish, and free
         every sequence."""
         self._closed = True
-        for seq in list(self.live.values()):
-            while seq.queue:
-                step = seq.queue.popleft()
-                self.queued -= 1
-                if step.future is not None and not step.future.done():
-                    step.future.set_exception(Unavailable(f"model '{self.name}' is shutting down"))
+        self._fail_queued(Unavailable(f"model '{self.name}' is shutting down"))
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._dispatcher
+        for task in (self._dispatcher, self._reaper):
+            if task is not None and not task.done():  # a task that died was read by `_task_ended`
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for seq in list(self.live.values()):
             self._free(seq)
         for e in self._executors:

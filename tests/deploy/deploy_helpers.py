@@ -42,6 +42,9 @@ METRICS = {
     "qkv_http_requests": "counter",
     "qkv_ensemble_steps": "counter",
     "qkv_ensemble_step_duration_seconds": "histogram",
+    "qkv_live_sequences": "gauge",
+    "qkv_sequence_state_bytes": "gauge",
+    "qkv_expired_sequences": "counter",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}

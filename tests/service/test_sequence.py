@@ -37,9 +37,38 @@ STATE = StateSpec("STATE_IN", "STATE_OUT", "INT32", (1,))
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
+        self.sleepers: list[float] = []  # when each task in `sleep` wakes, by this clock
 
     def __call__(self) -> float:
         return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        """Until the test moves the clock `seconds` on (checked every millisecond of real time)."""
+        wake = self.now + seconds
+        self.sleepers.append(wake)
+        try:
+            while self.now < wake:
+                await asyncio.sleep(0.001)
+        finally:
+            self.sleepers.remove(wake)
+
+
+class Seen:
+    """A SequenceObserver that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.sequences_and_bytes: list[tuple[int, int]] = []
+        self.expired = 0
+        self.rows: list[int] = []  # of each batch
+
+    def sequences(self, live: int, state_bytes: int) -> None:
+        self.sequences_and_bytes.append((live, state_bytes))
+
+    def sequences_expired(self, count: int) -> None:
+        self.expired += count
+
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        self.rows.append(rows)
 
 
 class Accumulator:
@@ -212,6 +241,81 @@ def test_an_idle_sequence_is_freed_and_its_next_request_refused_naming_it() -> N
             await b.submit(step(1000, 1))
         assert int((await b.submit(step(1001, 5)))["OUTPUT"][0, 0]) == 7
         assert b.expired == 1 and b.state_bytes == 4
+        await b.close()
+
+    run(test)
+
+
+def test_idle_sequences_are_freed_at_their_expiry_time_with_no_request_coming() -> None:
+    async def test() -> None:
+        clock, model, seen = Clock(), Accumulator(), Seen()
+        c = SequenceConfig(strategy="direct", controls=CONTROLS, states=(STATE,), max_sequence_idle_us=5_000_000)
+        b = SequenceBatcher("acc", c, model, 2, 1, clock, sleep=clock.sleep, observer=seen)  # two slots
+        b.start()
+        await b.submit(step(1, 1, start=True))  # at 100, slot 0
+        clock.now += 3.0
+        await b.submit(step(2, 1, start=True))  # at 103, slot 1
+        assert sorted(b.live) == [1, 2] and b.state_bytes == 8 and seen.sequences_and_bytes[-1] == (2, 8)
+        await until(lambda: clock.sleepers == [105.0])  # the reaper sleeps until sequence 1's idle time is up
+        clock.now = 104.999
+        assert sorted(b.live) == [1, 2]
+        clock.now = 105.0
+        await until(lambda: 1 not in b.live)
+        assert b.state_bytes == 4 and b.expired == 1 and seen.expired == 1 and seen.sequences_and_bytes[-1] == (1, 4)
+        with pytest.raises(InvalidArgument, match=r"sequence 1 is not live .* idle longer than .* 5000000"):
+            await b.submit(step(1, 1))
+        # its slot is free: a third sequence takes row 0 (both slots held, it would be refused)
+        assert int((await b.submit(step(3, 7, start=True)))["OUTPUT"][0, 0]) == 7
+        assert model.batches[-1] == [(3, 1, 0.0, True)]
+        await until(lambda: clock.sleepers == [108.0])  # sequence 2's turn
+        clock.now = 110.0  # past both 2's (108) and 3's (110)
+        await until(lambda: not b.live)
+        assert b.state_bytes == 0 and b.expired == 3 and seen.sequences_and_bytes[-1] == (0, 0)
+        assert seen.rows == [1, 2, 1]  # direct: row 0 alone, row 1 after a filler row 0, then row 0 again
+        await until(lambda: not clock.sleepers)  # nothing idle: the reaper waits for a sequence, not the clock
+        await b.submit(step(4, 1, start=True))
+        await until(lambda: clock.sleepers == [115.0])
+        await b.close()
+
+    run(test)
+
+
+def test_a_reaper_that_fails_makes_the_model_refuse_requests_saying_why() -> None:
+    async def test() -> None:
+        async def broken(seconds: float) -> None:
+            raise RuntimeError("no clock")
+
+        c = SequenceConfig(strategy="oldest", controls=CONTROLS, states=(STATE,))
+        b = SequenceBatcher("acc", c, Accumulator(), 8, 1, Clock(), sleep=broken)
+        told: list[Exception] = []
+        b.on_failure = told.append
+        b.start()
+        await b.submit(step(1, 1, start=True))  # then sequence 1 is idle: the reaper sleeps, and fails
+        await until(lambda: bool(told))
+        with pytest.raises(
+            Unavailable, match=r"model 'acc' is unavailable: .*reaper failed: RuntimeError\('no clock'\)"
+        ):
+            await b.submit(step(1, 1))
+        assert str(told[0]) == b.failure
+        await b.close()
+
+    run(test)
+
+
+class Failing(Seen):
+    def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None:
+        raise RuntimeError("observer broke")
+
+
+def test_a_batch_whose_bookkeeping_fails_answers_its_requests_and_stops_the_batcher() -> None:
+    async def test() -> None:
+        c = SequenceConfig(strategy="oldest", controls=CONTROLS, states=(STATE,))
+        b = SequenceBatcher("acc", c, Accumulator(), 8, 1, Clock(), observer=Failing())
+        b.start()
+        with pytest.raises(Unavailable, match=r"sequence-batch failed: RuntimeError\('observer broke'\)"):
+            await b.submit(step(1, 1, start=True))
+        with pytest.raises(Unavailable, match="observer broke"):
+            await b.submit(step(2, 1, start=True))
         await b.close()
 
     run(test)

@@ -1,0 +1,232 @@
+"""`qkv bench --sequences`: a stateful model's steps, 64 sequences at once against one at a time.
+
+The model is a GRU-style recurrent step built here with onnx.helper (`gru_step`: h' = tanh(x W + h U + b),
+h kept as implicit state between the requests of a sequence), so small that a step's cost is the
+request's own: decoding, scheduling, handing the row to an instance, answering. That is the case of
+real stateful models (streaming speech, incremental decoding), whose steps are small and many.
+
+One server; clients send each step over gRPC with tritonclient's sequence parameters (`sequence_id`,
+`sequence_start`, `sequence_end`), SEQUENCE_STEPS steps a sequence. "one at a time": one sequence, step
+after step, then the next. "64 at once": 64 sequences, each step after step, so the sequence batcher can
+put a step of each into one batch. The two alternate ROUNDS times on the same server; the ratio of
+steps/s is the median of the rounds' ratios (each pair back to back, so the machine's drift cancels).
+Beside each: the server's mean batch size and its CPU per step (from its metrics and /proc). Last, the
+same server's bare RPC (ServerLive, no model, no decoding) at 64 concurrent calls: Python gRPC's own
+cost per call, which every step pays however it is batched, so its calls/s over one-at-a-time steps/s
+bounds the ratio any batching can reach through this server's front end on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service import loadgen
+from service.bench.servers import Servers, bare_rpc, cpus, process_cpu, scrape
+
+__all__ = ["CONCURRENT", "MODEL", "SEQUENCE_STEPS", "gru_step_model", "sequences_bench", "sequences_table"]
+
+MODEL = "gru_step"
+FEATURES, HIDDEN = 16, 64  # x: (B, FEATURES), h: (B, HIDDEN)
+CONCURRENT = 64  # sequences at once, and the model's max_batch_size
+SEQUENCE_STEPS = 32  # requests in a sequence, its start and end included
+ROUNDS = 3
+TARGET = 4.0  # BENCHMARKS.md: 64 concurrent sequences, steps batched, >= 4x one sequence at a time
+MAX_QUEUE_DELAY_US = 500  # a partial batch waits this long for company, only while an instance computes
+
+
+def gru_step_model(root: Path, instances: int = 1) -> Path:
+    """`root/gru_step`: one recurrent step as an ONNX graph, its state kept by the sequence batcher."""
+    import onnx  # the serving install has no onnx: imported where used
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {
+        "W": rng.normal(0, 0.3, (FEATURES, HIDDEN)).astype(np.float32),
+        "U": rng.normal(0, 0.1, (HIDDEN, HIDDEN)).astype(np.float32),
+        "b": np.zeros(HIDDEN, np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["INPUT", "W"], ["xw"]),  # (B, F) x (F, H) -> (B, H)
+        helper.make_node("MatMul", ["STATE_IN", "U"], ["hu"]),  # (B, H) x (H, H) -> (B, H)
+        helper.make_node("Add", ["xw", "hu"], ["pre"]),
+        helper.make_node("Add", ["pre", "b"], ["biased"]),
+        helper.make_node("Tanh", ["biased"], ["STATE_OUT"]),
+        helper.make_node("Identity", ["STATE_OUT"], ["OUTPUT"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        MODEL,
+        [
+            helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["batch", FEATURES]),
+            helper.make_tensor_value_info("STATE_IN", TensorProto.FLOAT, ["batch", HIDDEN]),
+        ],
+        [
+            helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["batch", HIDDEN]),
+            helper.make_tensor_value_info("STATE_OUT", TensorProto.FLOAT, ["batch", HIDDEN]),
+        ],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    directory = root / MODEL
+    (directory / "1").mkdir(parents=True)
+    onnx.save(model, str(directory / "1" / "model.onnx"))
+    config = {
+        "max_batch_size": CONCURRENT,
+        "instances": instances,
+        "sequence_batching": {
+            "max_sequence_idle_microseconds": 5_000_000,
+            "oldest": {"max_candidate_sequences": CONCURRENT, "max_queue_delay_microseconds": MAX_QUEUE_DELAY_US},
+            "state": [{"input_name": "STATE_IN", "output_name": "STATE_OUT", "data_type": "TYPE_FP32",
+                       "dims": [HIDDEN]}],
+        },
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@dataclass
+class _Tally:
+    steps: int = 0  # answered OK within the window
+    codes: dict[str, int] | None = None
+
+    def count(self, code: str) -> None:
+        self.codes = self.codes or {}
+        self.codes[code] = self.codes.get(code, 0) + 1
+
+
+async def _sequences(url: str, concurrency: int, seconds: float, ids: itertools.count[int]) -> _Tally:
+    """`concurrency` clients, each sending sequences of SEQUENCE_STEPS steps, step after step, for
+    `seconds`; a sequence cut by the window is ended by one more step (not counted)."""
+    import tritonclient.grpc.aio as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    tally = _Tally()
+    x = grpcclient.InferInput("INPUT", [1, FEATURES], "FP32")
+    x.set_data_from_numpy(np.full((1, FEATURES), 0.1, np.float32))
+    async with grpcclient.InferenceServerClient(url) as client:
+        stop = time.perf_counter() + seconds
+
+        async def client_loop() -> None:
+            while time.perf_counter() < stop:
+                sid = next(ids)
+                for i in range(SEQUENCE_STEPS):
+                    late = time.perf_counter() >= stop
+                    try:
+                        await client.infer(
+                            MODEL, [x], sequence_id=sid, sequence_start=i == 0,
+                            sequence_end=late or i == SEQUENCE_STEPS - 1, client_timeout=60,
+                        )  # fmt: skip
+                    except InferenceServerException as e:
+                        tally.count(str(e.status()))
+                        break  # the sequence cannot go on: a new one
+                    if late:
+                        break
+                    tally.steps += 1
+                    tally.count("OK")
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return tally
+
+
+def _batch_counts(metrics_url: str) -> tuple[float, float]:
+    """Rows and batches the model has run so far (qkv_batch_size's sum and count)."""
+    m = scrape(metrics_url)
+    rows = sum(v for k, v in m.items() if k.startswith("qkv_batch_size_sum{") and f'model="{MODEL}"' in k)
+    batches = sum(v for k, v in m.items() if k.startswith("qkv_batch_size_count{") and f'model="{MODEL}"' in k)
+    return rows, batches
+
+
+def _slice(server: Any, concurrency: int, seconds: float, ids: itertools.count[int]) -> dict[str, Any]:
+    rows0, batches0 = _batch_counts(server.metrics_url)
+    cpu0, client0, t0 = process_cpu(server.process.pid), loadgen.own_cpu(), time.perf_counter()
+    tally = asyncio.run(_sequences(server.url, concurrency, seconds, ids))
+    wall = time.perf_counter() - t0
+    server_cpu, client_cpu = process_cpu(server.process.pid) - cpu0, loadgen.own_cpu() - client0
+    rows, batches = (a - b for a, b in zip(_batch_counts(server.metrics_url), (rows0, batches0), strict=True))
+    steps = max(1, tally.steps)
+    return {
+        "steps": tally.steps,
+        "steps_per_s": tally.steps / wall,
+        "codes": tally.codes or {},
+        "mean_batch": rows / batches if batches else 0.0,
+        "server_cpu_us_per_step": server_cpu / steps * 1e6,
+        "client_cpu_us_per_step": client_cpu / steps * 1e6,
+    }
+
+
+def sequences_bench(out: Path, seconds: float, instances: int = 1) -> dict[str, Any]:
+    """Steps/s one sequence at a time and CONCURRENT at once, alternating on one server; writes sequences.json."""
+    scratch = out / "sequences-scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    models = scratch / f"models-{time.time_ns()}"
+    gru_step_model(models, instances)
+    servers = Servers(models, scratch)
+    ids = itertools.count(1)
+    modes = {"one at a time": 1, f"{CONCURRENT} at once": CONCURRENT}
+    rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    try:
+        server = servers.start()
+        for c in modes.values():  # warm: the first requests of each pattern pay for connections and allocations
+            _slice(server, c, min(0.5, seconds / 4), ids)
+        for _ in range(ROUNDS):
+            for mode, c in modes.items():
+                rounds[mode].append(_slice(server, c, seconds / ROUNDS, ids))
+        live = scrape(server.metrics_url).get(f'qkv_live_sequences{{model="{MODEL}",version="1"}}', 0.0)
+        bare = bare_rpc(server.url, server.process.pid, CONCURRENT)
+    finally:
+        servers.close()
+    one, many = rounds.values()
+    result: dict[str, Any] = {
+        "machine": {"cpus": cpus(), "instances": instances, "max_batch_size": CONCURRENT,
+                    "max_queue_delay_us": MAX_QUEUE_DELAY_US, "steps_per_sequence": SEQUENCE_STEPS},
+        "target": TARGET,
+        "ratio": float(np.median([b["steps_per_s"] / a["steps_per_s"] for a, b in zip(one, many, strict=True)])),
+        "live_sequences_after": live,
+        "bare_rpc": bare,
+    }  # fmt: skip
+    for mode, runs in rounds.items():
+        numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+        codes: dict[str, int] = {}
+        for r in runs:
+            for k, v in r["codes"].items():
+                codes[k] = codes.get(k, 0) + v
+        result[mode] = {**{k: float(np.median([r[k] for r in runs])) for k in numbers}, "codes": codes, "rounds": runs}
+    result["bare_rpc_bound"] = bare["rps"] / result["one at a time"]["steps_per_s"]
+    (out / "sequences.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def sequences_table(r: dict[str, Any]) -> str:
+    """The figures as BENCHMARKS.md shows them."""
+    lines = [
+        "| sequences | steps/s | mean batch | server CPU per step | client CPU per step |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in ("one at a time", f"{CONCURRENT} at once"):
+        m = r[mode]
+        lines.append(
+            f"| {mode} | {m['steps_per_s']:.0f} | {m['mean_batch']:.1f} | {m['server_cpu_us_per_step']:.0f} us "
+            f"| {m['client_cpu_us_per_step']:.0f} us |"
+        )
+    b = r["bare_rpc"]
+    lines.append(
+        f"| bare RPC (ServerLive), {CONCURRENT} at once | {b['rps']:.0f} calls/s | | {b['server_cpu_us']:.0f} us "
+        f"| {b['client_cpu_us']:.0f} us |"
+    )
+    verdict = "meets" if r["ratio"] >= r["target"] else "misses"
+    lines.append(
+        f"\n{CONCURRENT} at once / one at a time: {r['ratio']:.2f}x ({verdict} the {r['target']:g}x target); "
+        f"bare RPC calls/s / one-at-a-time steps/s: {r['bare_rpc_bound']:.2f}x, the most any batching of steps "
+        "reaches through this front end here"
+    )
+    return "\n".join(lines)
