@@ -138,7 +138,9 @@ class TensorRuntime:
         self.config = config
         self.sessions = [_session(path, config, providers) for _ in range(max(1, config.instances))]
         self.provider = self.sessions[0].get_providers()[0]
-        threads = lone_threads(config) if self.provider == "CPUExecutionProvider" else 0
+        # (a stateful model's batches are the sequence batcher's, which runs none alone)
+        alone = self.provider == "CPUExecutionProvider" and config.sequence_batching is None
+        threads = lone_threads(config) if alone else 0
         # One more session, for a batch that runs alone on an idle server: every core on one request.
         self.lone = _session(path, replace(config, intra_op_threads=threads), providers, False) if threads else None
         graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())

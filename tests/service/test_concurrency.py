@@ -111,7 +111,8 @@ def _infer(client: g.InferenceServerClient) -> tuple[float, str]:
 def explicit(tmp_path: Path) -> Iterator[Explicit]:
     repo = tmp_path / "repo"
     (repo / "scale").mkdir(parents=True)
-    (repo / "scale" / "config.json").write_text('{"instances": 1}')  # one session: one read of a held graph
+    # one session (and no lone one): one read of a held graph
+    (repo / "scale" / "config.json").write_text('{"instances": 1, "lone_request_threads": 0}')
     args = ["--model-repository", str(repo), "--model-control-mode", "explicit"]
     with start_server(args, tmp_path / "log") as server, g.InferenceServerClient(server.url) as client:
         yield server, client, repo

@@ -114,7 +114,8 @@ def decoder_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     config["name"] = small.name
     config["sequence_batching"]["max_state_bytes"] = word + 6 * slot
     (small / "config.json").write_text(json.dumps(config))
-    s = start_server(["--model-repository", str(repo)], repo.parent / "server.log")
+    # a generous bound on a hang: the wrapped graphs take a loaded machine long to load
+    s = start_server(["--model-repository", str(repo)], repo.parent / "server.log", timeout=300)
     yield s
     stop_server(s)
 
