@@ -27,7 +27,6 @@ from service.frontends import shared_memory
 from service.frontends.grpc_api import InferenceService
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
-from service.frontends.wire_limits import screen_infer
 from service.models.kinds import Result
 from service.models.response_cache import ResponseCache
 from service.observability import logs
@@ -134,8 +133,7 @@ class Server:
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         service = InferenceService(self.plane, self.shared_memory)
-        screens = {"ModelInfer": screen_infer, "ModelStreamInfer": screen_infer}  # counts before parsing
-        server.add_generic_rpc_handlers((protocol.generic_handler(service, screens),))
+        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
         server.add_generic_rpc_handlers(
             (protocol.generic_handler(SharedMemoryService(self.shared_memory, self._tokens)),)
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -55,14 +55,12 @@ __all__ = [
     "ModelStatisticsRequest",
     "ModelStatisticsResponse",
     "ModelStreamInferResponse",
-    "Refused",
     "RepositoryIndexRequest",
     "RepositoryIndexResponse",
     "RepositoryModelLoadRequest",
     "RepositoryModelLoadResponse",
     "RepositoryModelUnloadRequest",
     "RepositoryModelUnloadResponse",
-    "Screen",
     "ServerLiveRequest",
     "ServerLiveResponse",
     "ServerMetadataRequest",
@@ -212,20 +210,8 @@ class Undecodable:
         self.reason = f"the request is not a valid {message}: {error}"
 
 
-class Refused(Undecodable):
-    """A request body refused before it is parsed (a screen found a count over its limit)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-Screen = Callable[[bytes], "str | None"]  # why a request's bytes are refused before parsing, or None
-
-
-def _lenient(request: type[Message], screen: Screen | None = None) -> Callable[[bytes], Message | Undecodable]:
+def _lenient(request: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     def deserialize(data: bytes) -> Message | Undecodable:
-        if screen is not None and (reason := screen(data)) is not None:
-            return Refused(reason)
         try:
             return request.FromString(data)
         except DecodeError as e:
@@ -253,17 +239,13 @@ def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     return guarded_sync
 
 
-def method_handlers(
-    implementation: object, screens: Mapping[str, Screen] | None = None
-) -> dict[str, grpc.RpcMethodHandler]:
+def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
     """Handlers for the RPCs ``implementation`` has a method for, keyed by RPC name (``"ModelInfer"``).
 
     ``implementation.ModelInfer(request, context)`` receives and returns our message classes; it
     may be ``async`` (grpc.aio). RPCs it lacks are left out, so gRPC answers them UNIMPLEMENTED.
     A request that does not parse is answered INVALID_ARGUMENT before the method runs; on a
     client stream it arrives as an ``Undecodable``, for the method to refuse.
-    ``screens``: by RPC name, a check of a request's bytes before they are parsed; what it refuses arrives
-    as a ``Refused`` (an ``Undecodable``) with its reason.
     For ``server.add_registered_method_handlers(SERVICE_NAME, ...)``.
     """
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -275,16 +257,16 @@ def method_handlers(
         make_handler = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make_handler(
             behaviour if method.client_streaming else _refusing_undecodable(behaviour),
-            request_deserializer=_lenient(request, (screens or {}).get(method.name)),
+            request_deserializer=_lenient(request),
             response_serializer=response.SerializeToString,
         )
     return handlers
 
 
-def generic_handler(implementation: object, screens: Mapping[str, Screen] | None = None) -> grpc.GenericRpcHandler:
+def generic_handler(implementation: object) -> grpc.GenericRpcHandler:
     """``inference.GRPCInferenceService`` served by ``implementation`` (see ``method_handlers``),
     for ``server.add_generic_rpc_handlers((generic_handler(servicer),))``."""
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(implementation, screens))
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(implementation))
 
 
 class Stub:
