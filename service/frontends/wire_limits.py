@@ -170,11 +170,14 @@ def over_limit(data: bytes) -> Refused | None:
         return None
 
 
+_parse = protocol.ModelInferRequest.FromString
+
+
 def infer_request_deserializer(data: bytes) -> Message | protocol.Undecodable:
     """gRPC's request_deserializer for ModelInfer and ModelStreamInfer: a large message walked first."""
     if len(data) > WALKED_BYTES and (refused := over_limit(data)) is not None:
         return refused
     try:
-        return protocol.ModelInferRequest.FromString(data)
+        return _parse(data)
     except DecodeError as e:
         return protocol.Undecodable("ModelInferRequest", e)
