@@ -23,8 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__, priority, protocol
 from service.config import ServerSettings
-from service.frontends import shared_memory
-from service.frontends.grpc_api import InferenceService
+from service.frontends import grpc_api, shared_memory
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
 from service.models.kinds import Result
@@ -132,8 +131,9 @@ class Server:
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
-        service = InferenceService(self.plane, self.shared_memory)
-        server.add_generic_rpc_handlers((protocol.generic_handler(service),))
+        server.add_generic_rpc_handlers(
+            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory)),)
+        )
         server.add_generic_rpc_handlers(
             (protocol.generic_handler(SharedMemoryService(self.shared_memory, self._tokens)),)
         )

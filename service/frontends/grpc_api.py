@@ -4,6 +4,7 @@
 An inference message is handed over as views (`_Inputs`, `_Outputs`, `_Parameters`) that the data plane
 counts before it reads any entry, so a message of a million inputs builds nothing before it is refused;
 each tensor's contents stay in the message until the data plane reads them (`codec.MessageSource`).
+A large message's repeated fields are counted on the wire before it is parsed at all (wire_limits.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import grpc
 from grpc.aio import ServicerContext as Context
 
 from service import protocol
-from service.errors import ServingError
+from service.errors import InvalidArgument, ServingError
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource
 from service.frontends.messages import (
@@ -29,10 +30,11 @@ from service.frontends.messages import (
     statistics_message,
 )
 from service.frontends.statuses import grpc_status
+from service.frontends.wire_limits import Refused, infer_request_deserializer
 from service.serving.dataplane import MAX_ID_CHARS, DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
-__all__ = ["STREAM_WINDOW", "InferenceService"]
+__all__ = ["STREAM_WINDOW", "InferenceService", "generic_handler"]
 
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
@@ -271,6 +273,10 @@ class InferenceService:
             broken = None
             try:
                 async for request in requests:
+                    if isinstance(request, Refused):  # over a limit on the wire: answered, and the stream goes on
+                        await window.acquire()
+                        answers.put_nowait(_stream_answer(request, InvalidArgument(request.reason)))
+                        continue
                     if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
                         broken = f"a message on the stream: {request.reason}"
                         break
@@ -294,6 +300,15 @@ class InferenceService:
         finally:
             for task in [reader, *running]:
                 task.cancel()
+
+
+def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
+    """inference.GRPCInferenceService served by `service`, ModelInfer's and ModelStreamInfer's messages
+    counted on the wire before they are parsed (a refusal reaches the method in the message's place)."""
+    handlers = protocol.method_handlers(service)
+    for name in ("ModelInfer", "ModelStreamInfer"):
+        handlers[name] = handlers[name]._replace(request_deserializer=infer_request_deserializer)
+    return grpc.method_handlers_generic_handler(protocol.SERVICE_NAME, handlers)
 
 
 def _stream_answer(

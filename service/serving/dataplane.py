@@ -434,7 +434,7 @@ def _check_counts(request: InferRequest, model: ServedVersion) -> None:
             f"{_misnamed(request.outputs, outputs, 'output', model.name)}"
         )
     if len(request.parameters) > MAX_PARAMETERS:
-        raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS}")
+        raise InvalidArgument(f"{len(request.parameters)} parameters, the limit is {MAX_PARAMETERS} (MAX_PARAMETERS)")
 
 
 async def _decode(request: InferRequest, model: ServedVersion) -> dict[str, np.ndarray]:

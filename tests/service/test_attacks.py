@@ -251,12 +251,14 @@ def test_a_word_flood_over_http_binary_is_refused_at_once(server: RunningServer)
     _still_serves(server)
 
 
+TEXT_TENSOR = _field(1, b"TEXT") + _field(2, b"BYTES") + _field(3, b"\x01")  # an input's name, datatype, shape [1]
+
+
 def test_many_inputs_are_counted_before_they_are_read(server: RunningServer) -> None:
-    tensor = _field(1, b"TEXT") + _field(2, b"BYTES") + _field(3, b"\x01")  # shape [1], packed
-    body = _field(1, b"g2p") + _field(5, tensor) * 1_500_000
+    body = _field(1, b"g2p") + _field(5, TEXT_TENSOR) * 1_500_000
     outcome = _attack(server, "1.5 M inputs", _grpc_send(server, body))
     assert outcome.code == "INVALID_ARGUMENT"
-    assert "1500000 inputs, model 'g2p' takes 1" in outcome.details
+    assert f"inputs: more than 1024 in a {len(body)}-byte request, the limit is 1024 (MAX_TENSORS)" in outcome.details
     _still_serves(server)
 
 
@@ -264,16 +266,17 @@ def test_many_outputs_are_counted_before_they_are_read(server: RunningServer) ->
     body = _field(1, b"g2p") + _field(6, b"") * 20_000_000
     outcome = _attack(server, "20 M empty outputs", _grpc_send(server, body))
     assert outcome.code == "INVALID_ARGUMENT"
-    assert "20000000 outputs requested, model 'g2p' has 4" in outcome.details
+    assert f"outputs: more than 1024 in a {len(body)}-byte request, the limit is 1024 (MAX_TENSORS)" in outcome.details
     _still_serves(server)
 
 
 def test_many_raw_contents_are_counted_before_they_are_read(server: RunningServer) -> None:
-    text = _field(1, b"TEXT") + _field(2, b"BYTES") + _field(3, b"\x01")
-    body = _field(1, b"g2p") + _field(5, text) + _field(7, b"") * 30_000_000
+    body = _field(1, b"g2p") + _field(5, TEXT_TENSOR) + _field(7, b"") * 30_000_000
     outcome = _attack(server, "30 M raw_input_contents", _grpc_send(server, body))
     assert outcome.code == "INVALID_ARGUMENT"
-    assert "30000000 raw_input_contents for 1 inputs" in outcome.details
+    assert f"raw_input_contents: more than 1024 in a {len(body)}-byte request, the limit is 1024 (MAX_TENSORS)" in (
+        outcome.details
+    )
     _still_serves(server)
 
 
@@ -283,7 +286,48 @@ def test_many_parameters_are_counted_before_they_are_read(server: RunningServer)
     body = _field(1, b"g2p") + entries
     outcome = _attack(server, "2 M parameters", _grpc_send(server, body))
     assert outcome.code == "INVALID_ARGUMENT"
-    assert "2000000 parameters, the limit is 64" in outcome.details
+    assert (
+        f"parameters: more than 64 in a {len(body)}-byte request, the limit is 64 (MAX_PARAMETERS)" in outcome.details
+    )
+    _still_serves(server)
+
+
+def test_many_parameters_of_one_input_are_counted_before_they_are_read(server: RunningServer) -> None:
+    entries = b"".join(_field(4, _field(1, b"k%07d" % i) + _field(2, b"\x08\x01")) for i in range(2_000_000))
+    body = _field(1, b"g2p") + _field(5, TEXT_TENSOR + entries)
+    outcome = _attack(server, "2 M parameters of one input", _grpc_send(server, body))
+    assert outcome.code == "INVALID_ARGUMENT"
+    assert f"inputs[0].parameters: more than 64 in a {len(body)}-byte request, the limit is 64 (MAX_PARAMETERS)" in (
+        outcome.details
+    )
+    _still_serves(server)
+
+
+def test_many_bytes_contents_are_counted_before_they_are_read(server: RunningServer) -> None:
+    contents = _field(5, _field(8, b"") * 30_000_000)  # InferTensorContents.bytes_contents, all empty
+    body = _field(1, b"g2p") + _field(5, TEXT_TENSOR + contents)
+    outcome = _attack(server, "30 M empty bytes_contents", _grpc_send(server, body))
+    assert outcome.code == "INVALID_ARGUMENT"
+    assert f"inputs[0].contents.bytes_contents: more than 65536 in a {len(body)}-byte request" in outcome.details
+    assert "the limit is 65536 (MAX_BYTES_ELEMENTS)" in outcome.details
+    _still_serves(server)
+
+
+def test_many_outputs_on_a_stream_are_that_requests_answer(server: RunningServer) -> None:
+    body = _field(1, b"g2p") + _field(3, b"flood") + _field(6, b"") * 20_000_000
+
+    def send() -> tuple[str, str]:
+        with grpc.insecure_channel(server.url, options=OPTIONS) as channel:
+            stream = channel.stream_stream(f"/{protocol.SERVICE_NAME}/ModelStreamInfer")
+            replies = [protocol.ModelStreamInferResponse.FromString(r) for r in stream(iter([body, _one_word()]))]
+        assert [r.infer_response.id for r in replies] == ["flood", ""], replies  # the stream went on
+        assert replies[0].infer_response.model_name == "g2p" and not replies[1].error_message, replies
+        error = replies[0].error_message
+        return error.split(":", 1)[0], error
+
+    outcome = _attack(server, "20 M empty outputs on a stream", send)
+    assert outcome.code == "INVALID_ARGUMENT"
+    assert f"outputs: more than 1024 in a {len(body)}-byte request, the limit is 1024 (MAX_TENSORS)" in outcome.details
     _still_serves(server)
 
 
