@@ -24,7 +24,7 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, checked_feeds, has_batch_axis
+from service.models.kinds import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.ensemble_config import EnsembleConfig, EnsembleStep
@@ -205,9 +205,7 @@ class EnsembleModel:
     ) -> Result:
         tensors = dict(checked_feeds(self.inputs, inputs, self.name))
         names = [o.name for o in self.outputs]
-        for o in outputs:
-            if o not in names:
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
+        check_outputs(names, outputs, self.name)
         rows = {a.shape[0] for a in tensors.values()} if self.max_batch_size else {1}
         if len(rows) > 1:
             raise InvalidArgument(f"inputs disagree on the batch size (axis 0): {sorted(rows)}")

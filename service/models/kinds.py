@@ -40,7 +40,7 @@ from service.seq2seq.generation import Hypothesis, greedy_decode
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel", "checked_feeds", "has_batch_axis"]
+__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel", "check_outputs", "checked_feeds", "has_batch_axis"]
 
 log = logging.getLogger("qkv.models")
 
@@ -144,6 +144,13 @@ def checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model:
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             raise InvalidArgument(f"input '{s.name}': contains NaN or infinite values")
     return inputs
+
+
+def check_outputs(names: list[str], asked: list[str], model: str) -> None:
+    """InvalidArgument naming the first of the `asked` outputs that the model (its outputs `names`) lacks."""
+    for o in asked:
+        if o not in names:
+            raise InvalidArgument(f"model '{model}' has no output {quote(o)} (outputs: {', '.join(names)})")
 
 
 def has_batch_axis(config: ModelConfig, specs: list[TensorSpec]) -> bool:
@@ -429,9 +436,7 @@ class TensorModel:
     ) -> Result:
         feeds = checked_feeds(self.inputs, inputs, self.name)
         names = [o.name for o in self.outputs]
-        for o in outputs:
-            if o not in names:
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
+        check_outputs(names, outputs, self.name)
         rows = {a.shape[0] for a in feeds.values()} if self.batchable else {1}
         if len(rows) > 1:
             raise InvalidArgument(f"inputs disagree on the batch size (axis 0): {sorted(rows)}")
@@ -791,9 +796,7 @@ class G2PModel:
         if text.size == 0:
             raise InvalidArgument("input 'TEXT' has no elements")
         names = [o.name for o in self.outputs]
-        for o in outputs:
-            if o not in names:
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
+        check_outputs(names, outputs, self.name)
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
         raw = self._raw_text(text)

@@ -17,7 +17,7 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import Result, TensorModel, _as_strings, checked_feeds
+from service.models.kinds import Result, TensorModel, _as_strings, check_outputs, checked_feeds
 from service.models.runtime import TensorRuntime
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
@@ -115,9 +115,7 @@ class StatefulTensorModel(TensorModel):
         feeds = checked_feeds(self.inputs, inputs, self.name)
         self._checked_limits(feeds)  # a bad row refused here, before it can fail the batch it would join
         names = [o.name for o in self.outputs]
-        for o in outputs:
-            if o not in names:
-                raise InvalidArgument(f"model '{self.name}' has no output {quote(o)} (outputs: {', '.join(names)})")
+        check_outputs(names, outputs, self.name)
         flags = {}
         for key in ("sequence_start", "sequence_end"):
             value = params.get(key, False)
