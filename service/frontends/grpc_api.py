@@ -80,9 +80,13 @@ class _Inputs(Sequence[InferInput]):
         self._refused = (
             f"{raw} raw_input_contents for {n} inputs{where}: give one per input" if raw and raw != n else ""
         )
+        self._built: dict[int, InferInput] = {}  # the data plane reads a tensor more than once
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    def __iter__(self) -> Iterator[InferInput]:
+        return (self[i] for i in range(len(self._tensors)))
 
     @overload
     def __getitem__(self, k: int) -> InferInput: ...
@@ -91,12 +95,16 @@ class _Inputs(Sequence[InferInput]):
     def __getitem__(self, k: int | slice) -> InferInput | Sequence[InferInput]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
+        built = self._built.get(k)
+        if built is not None:
+            return built
         t = self._tensors[k]
         raw = self._memory.contents(t) if self._memory is not None else None  # read from its region
         if raw is None and len(self._raw) and not self._refused:
             j = k if self._raw_index is None else self._raw_index[k]
             raw = partial(self._raw.__getitem__, j)
-        return InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
+        built = self._built[k] = InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
+        return built
 
 
 class _Outputs(Sequence[RequestedOutput]):

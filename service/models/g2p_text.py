@@ -56,6 +56,8 @@ _ABBREVIATIONS = {
     "jan.": "january", "feb.": "february", "aug.": "august", "sept.": "september", "oct.": "october",
     "nov.": "november", "dec.": "december",
 }  # fmt: skip
+# Words of letters that a rule reads (an abbreviation, with its period or without): the rest go as they are.
+_RULED_WORDS = frozenset({"dr", "st", "no", *(k.rstrip(".") for k in _ABBREVIATIONS)})
 _MERIDIEM = {"am": "a.m.", "a.m": "a.m.", "a.m.": "a.m.", "pm": "p.m.", "p.m": "p.m.", "p.m.": "p.m."}
 _MERIDIEM_RE = r"(am|pm|a\.m\.?|p\.m\.?)"
 
@@ -256,9 +258,14 @@ class _Reader:
 
     def read(self) -> Iterator[str]:
         while self.index < len(self.tokens):
-            core, period = _strip(self.tokens[self.index])
-            if core:
-                yield from self._token(core, period)
+            token = self.tokens[self.index]
+            letters = token.strip(SILENT_ASCII) if token.isascii() else ""
+            if letters.isalpha() and (low := letters.lower()) not in _RULED_WORDS:
+                yield low  # most tokens: a word of letters no rule reads, what `_token` makes of it
+            else:
+                core, period = _strip(token)
+                if core:
+                    yield from self._token(core, period)
             self.index += 1
 
     def _token(self, core: str, period: bool) -> list[str]:

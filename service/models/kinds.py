@@ -36,6 +36,7 @@ from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
 from service.scheduling.tuning import CostModel, Tuning, lone_threshold, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
+from service.seq2seq.vocab import SPECIALS
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
@@ -523,12 +524,13 @@ def count_words(text: bytes) -> int:
     """The words written in `text` (UTF-8), as the text rules see them before reading them out (a token
     of punctuation alone is none), counted by C-level passes over the bytes: no Python object per word,
     so a flood of words is refused before any is built."""
-    for space in _WIDE_SPACES:
-        if space in text:
-            text = text.replace(space, b" ")
-    for mark in _WIDE_STRIP:
-        if mark in text:
-            text = text.replace(mark, b"")
+    if not text.isascii():  # wide spaces and marks are more than a byte
+        for space in _WIDE_SPACES:
+            if space in text:
+                text = text.replace(space, b" ")
+        for mark in _WIDE_STRIP:
+            if mark in text:
+                text = text.replace(mark, b"")
     letters = text.translate(_SPACE_OR_LETTER, _ASCII_STRIP)  # " " between words, "a" inside one
     return letters.count(b" a") + letters.startswith(b"a")
 
@@ -569,6 +571,7 @@ class G2PModel:
         self.config, self.runtime = config, runtime
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.graphemes, self.phonemes = runtime.graphemes, runtime.phonemes
+        self.letters = frozenset(self.graphemes.symbols[len(SPECIALS) :])  # what a word may be spelled with
         limits = config.limits
         self.max_word_length = int(limits.get("max_word_length", 32))
         self.max_output_length = int(limits.get("max_output_length", 40))
@@ -700,7 +703,9 @@ class G2PModel:
 
     def _unspellable(self, word: str) -> str:
         """Why the model cannot decode `word`, or "" when it can."""
-        bad = next((c for c in word if c not in self.graphemes), None)
+        if len(word) <= self.max_word_length and self.letters.issuperset(word):
+            return ""
+        bad = next((c for c in word if c not in self.letters), None)
         if bad is not None:
             return f"the model cannot spell character {quote(bad)} (U+{ord(bad):04X}) in {quote(word, 40)}"
         if len(word) > self.max_word_length:  # the text rules cut long words: only a rule's fault gets here
@@ -716,18 +721,15 @@ class G2PModel:
             raise InvalidArgument(f"parameter '{name}' must be in [{low}, {high}], got {value}")
         return value
 
-    def _word_key(self, src: list[int], max_out: int, beam: int, with_attention: bool) -> bytes:
-        """What determines one word's answer: this loaded version, its graphemes and the decoding asked for."""
-        return cache_key([self.name, self.version, id(self), np.array(src, np.int32).tobytes(), max_out, beam,
-                          with_attention])  # fmt: skip
-
-    def _cached(self, key: bytes) -> Hypothesis | None:
-        assert self.cache is not None
-        return self.cache.get(key, self.name, self.version)
+    def _word_keys(self, words: list[str], max_out: int, beam: int, with_attention: bool) -> list[bytes]:
+        """What determines each word's answer: this loaded version and the decoding asked for (one digest
+        a request, of fixed length), then the word (letters of this version's graphemes only)."""
+        asked = cache_key([self.name, self.version, id(self), max_out, beam, with_attention])
+        return [asked + w.encode() for w in words]
 
     async def _answers(
         self,
-        sources: list[list[int]],
+        words: list[str],
         max_out: int,
         beam: int,
         with_attention: bool,
@@ -736,17 +738,20 @@ class G2PModel:
     ) -> list[Hypothesis]:
         """Each word's hypothesis: kept ones from the response cache (when on), the others decoded, each
         word once however often the request holds it."""
-        keys = [self._word_key(src, max_out, beam, with_attention) for src in sources] if self.cache else []
-        hyps: list[Hypothesis | None] = [self._cached(k) for k in keys] if self.cache else [None] * len(sources)
-        todo: dict[tuple[int, ...], int] = {}  # a word to decode -> its first place in the request
-        for i, (src, h) in enumerate(zip(sources, hyps, strict=True)):
+        keys = self._word_keys(words, max_out, beam, with_attention) if self.cache else []
+        hyps: list[Hypothesis | None] = (
+            self.cache.get_many(keys, self.name, self.version) if self.cache else [None] * len(words)
+        )
+        todo: dict[str, int] = {}  # a word to decode -> its first place in the request
+        for i, (word, h) in enumerate(zip(words, hyps, strict=True)):
             if h is None:
-                todo.setdefault(tuple(src), i)
+                todo.setdefault(word, i)
         if todo:
             firsts = list(todo.values())
-            fresh = await self._decode([sources[i] for i in firsts], max_out, beam, with_attention, deadline, trace)
+            sources = [self.graphemes.encode(w) for w in todo]
+            fresh = await self._decode(sources, max_out, beam, with_attention, deadline, trace)
             by_word = dict(zip(todo, fresh, strict=True))
-            hyps = [h if h is not None else by_word[tuple(src)] for src, h in zip(sources, hyps, strict=True)]
+            hyps = [h if h is not None else by_word[w] for w, h in zip(words, hyps, strict=True)]
             if self.cache is not None:
                 for i, h in zip(firsts, fresh, strict=True):  # kept without its request (`tag`)
                     self.cache.put(keys[i], replace(h, tag=None), _hypothesis_bytes(h), self.name, self.version)
@@ -807,10 +812,10 @@ class G2PModel:
         flat = [w for ws in elements for w in ws]
         reasons = [self._unspellable(w) for w in flat]
         spelled = [i for i, why in enumerate(reasons) if not why]  # the words decoded, by index in `flat`
-        sources = [self.graphemes.encode(flat[i]) for i in spelled]
+        spelled_words = [flat[i] for i in spelled]
         with_attention = "ATTENTION" in outputs
-        longest = max(map(len, sources), default=0)
-        hyps = await self._answers(sources, max_out, beam, with_attention, deadline, trace)
+        longest = max(map(len, spelled_words), default=0)
+        hyps = await self._answers(spelled_words, max_out, beam, with_attention, deadline, trace)
         decoded: list[list[str]] = [[] for _ in flat]
         for i, h in zip(spelled, hyps, strict=True):
             decoded[i] = self.phonemes.decode(h.output)
@@ -833,4 +838,4 @@ class G2PModel:
             result["WORDS"] = np.array([w.encode() for w in flat], dtype=np.object_)
         if "REASONS" in outputs:
             result["REASONS"] = np.array([r.encode() for r in reasons], dtype=np.object_)
-        return Result(result, longest, sum(map(len, sources)), sum(len(decoded[i]) for i in spelled))
+        return Result(result, longest, sum(map(len, spelled_words)), sum(len(decoded[i]) for i in spelled))

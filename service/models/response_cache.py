@@ -28,7 +28,7 @@ ENTRY_OVERHEAD = 256  # bytes counted per entry beyond its value: the key, the b
 class CacheObserver(Protocol):
     """Where the cache reports (the server's metrics): per model, as it happens."""
 
-    def looked_up(self, model: str, hit: bool) -> None: ...
+    def looked_up(self, model: str, hit: bool, n: int = 1) -> None: ...
     def inserted(self, model: str, size: int) -> None: ...
     def evicted(self, model: str, size: int) -> None: ...
     def dropped(self, size: int) -> None: ...
@@ -87,6 +87,19 @@ class ResponseCache(Generic[V]):
             return None
         self._entries.move_to_end(k)
         return entry.value
+
+    def get_many(self, keys: list[bytes], model: str, version: str) -> list[V | None]:
+        """`get` for each of `keys` (g2p's words), counted once for the lot."""
+        entries, found = self._entries, []
+        for k in keys:
+            entry = entries.get(k)
+            if entry is not None:
+                entries.move_to_end(k)
+            found.append(entry.value if entry is not None else None)
+        hits = sum(v is not None for v in found)
+        self._looked_up(model, version, True, hits)
+        self._looked_up(model, version, False, len(keys) - hits)
+        return found
 
     def put(self, k: bytes, value: V, size: int, model: str, version: str) -> None:
         """Keep `value` (`size` bytes), pushing out the least recently used until it fits; one larger than
@@ -154,11 +167,13 @@ class ResponseCache(Generic[V]):
             if self.observer is not None:
                 self.observer.evicted(entry.model, entry.size)
 
-    def _looked_up(self, model: str, version: str, hit: bool) -> None:
+    def _looked_up(self, model: str, version: str, hit: bool, n: int = 1) -> None:
+        if not n:
+            return
         c = self.counts(model, version)
         if hit:
-            c.hits += 1
+            c.hits += n
         else:
-            c.misses += 1
+            c.misses += n
         if self.observer is not None:
-            self.observer.looked_up(model, hit)
+            self.observer.looked_up(model, hit, n)

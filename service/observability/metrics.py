@@ -227,8 +227,8 @@ class CacheMetrics:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def looked_up(self, model: str, hit: bool) -> None:
-        self.metrics.cache_lookups.labels(model, "hit" if hit else "miss").inc()
+    def looked_up(self, model: str, hit: bool, n: int = 1) -> None:
+        self.metrics.cache_lookups.labels(model, "hit" if hit else "miss").inc(n)
 
     def inserted(self, model: str, size: int) -> None:
         self.metrics.cache_insertions.labels(model).inc()

@@ -5,6 +5,7 @@ pronunciation or a reason per word."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.bench.servers import variant
-from service.models.g2p_text import RULES, cardinal, fold, ordinal, spoken_words, year
+from service.models.g2p_text import RULES, _Reader, _strip, cardinal, fold, ordinal, spoken_words, year
 from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_http import post
@@ -222,6 +223,30 @@ def test_a_card_pinning_other_rules_is_not_served(tmp_path: Path) -> None:
 def test_any_text_reads_as_words_within_the_limit(text: str) -> None:
     words = spoken_words(text, max_letters=8)
     assert all(w and len(w) <= 8 and not any(c.isspace() for c in w) for w in words), words
+
+
+class RulesOnly(_Reader):
+    """Every token through the rules: the reading that plain words skip to their answer."""
+
+    def read(self) -> Iterator[str]:
+        while self.index < len(self.tokens):
+            core, period = _strip(self.tokens[self.index])
+            if core:
+                yield from self._token(core, period)
+            self.index += 1
+
+
+PUNCTUATION = st.text(alphabet=".,;:!?()\"'-#$", max_size=2)
+WORDS = st.text(alphabet="abcXYZ", min_size=1, max_size=5) | st.sampled_from(
+    ["Dr", "st", "No", "mr", "Jan", "vs", "pm", "am", "million", "e.g", "5", "1999", "3/4", "7:30", "Smith"]
+)
+
+
+@settings(max_examples=3000, deadline=None, database=None)
+@given(st.lists(st.tuples(PUNCTUATION, WORDS, PUNCTUATION).map("".join), max_size=6))
+def test_plain_words_read_as_the_rules_read_them(tokens: list[str]) -> None:
+    """Plain words skip the rules (most of real text) to what the rules would make of them."""
+    assert list(_Reader(tokens).read()) == list(RulesOnly(tokens).read())
 
 
 def test_a_large_text_is_read_off_the_event_loop_and_answers_the_same(server: RunningServer) -> None:

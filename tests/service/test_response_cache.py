@@ -25,8 +25,8 @@ class Seen:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, int]] = []
 
-    def looked_up(self, model: str, hit: bool) -> None:
-        self.events.append(("hit" if hit else "miss", model, 0))
+    def looked_up(self, model: str, hit: bool, n: int = 1) -> None:
+        self.events.extend([("hit" if hit else "miss", model, 0)] * n)
 
     def inserted(self, model: str, size: int) -> None:
         self.events.append(("insert", model, size))
@@ -67,6 +67,19 @@ def test_least_recently_used_goes_first() -> None:
     cache.put(key(["d"]), "d", 100, "m", "1")  # b goes
     assert [cache.get(key([n]), "m", "1") for n in "abcd"] == ["a", None, "c", "d"]
     assert ("evict", "m", 100 + ENTRY_OVERHEAD) in seen.events
+
+
+def test_a_lookup_of_many_keys_counts_and_refreshes_each() -> None:
+    seen = Seen()
+    cache: ResponseCache[str] = ResponseCache(3 * (100 + ENTRY_OVERHEAD), seen)
+    for name in "abc":
+        cache.put(key([name]), name, 100, "m", "1")
+    assert cache.get_many([key(["a"]), key(["x"]), key(["a"]), key(["b"])], "m", "1") == ["a", None, "a", "b"]
+    c = cache.counts("m", "1")
+    assert (c.hits, c.misses) == (3, 1)
+    assert [e[0] for e in seen.events].count("hit") == 3 and [e[0] for e in seen.events].count("miss") == 1
+    cache.put(key(["d"]), "d", 100, "m", "1")  # c, the one not looked up, goes
+    assert [cache.get(key([n]), "m", "1") for n in "abcd"] == ["a", "b", None, "d"]
 
 
 def test_identical_requests_in_flight_are_computed_once_and_failures_are_not_kept() -> None:
