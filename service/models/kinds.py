@@ -34,7 +34,7 @@ from service.scheduling.batching import LONE, DynamicBatcher
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
-from service.scheduling.tuning import CostModel, Tuning, lone_threshold, sweep, tune
+from service.scheduling.tuning import CostModel, Tuning, lone_inline_tokens, lone_threshold, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 from service.seq2seq.vocab import SPECIALS
 
@@ -313,8 +313,13 @@ class TensorModel:
                      "no lone session", self.name, shown)  # fmt: skip
             return
         self.batcher.lone_min_tokens = threshold
-        log.info("model '%s': a request alone of %d tokens or more runs on every core (instance / lone, by tokens: %s)",
-                 self.name, threshold, shown)  # fmt: skip
+        if "inline_max_tokens" not in self.config.batching_given:  # an explicit inline rule is the whole rule
+            handoff = self.tuning.handoff_ms / 1e3 if self.tuning else self.batcher.handoff_seconds()
+            self.batcher.lone_inline_max_tokens = lone_inline_tokens(points, handoff, threshold)
+        inline = self.batcher.lone_inline_max_tokens
+        log.info("model '%s': a request alone of %d tokens or more runs on every core%s (instance / lone, by "
+                 "tokens: %s)", self.name, threshold, f", up to {inline} on the event loop's thread" if inline else "",
+                 shown)  # fmt: skip
 
     def batching(self) -> BatchingConfig:
         return self.batcher.config

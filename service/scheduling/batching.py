@@ -106,6 +106,7 @@ class DynamicBatcher:
         # `run_batch` as instance LONE: the model may spend every core on it.
         self.lone = lone
         self.lone_min_tokens = 0  # and holds at least this many tokens (warm-up measures where it gains)
+        self.lone_inline_max_tokens = 0  # such a request this small runs on the event loop's thread
         self.observer = observer or NullObserver()
         self.admission = Admission(name, config, self.instances)
         self.queue: list[WorkItem] = []
@@ -183,10 +184,14 @@ class DynamicBatcher:
 
     def _inline(self, item: WorkItem) -> bool:
         """A small request on an idle server, while requests come one at a time, runs on this thread:
-        handing it to an instance's thread and back costs a good share of computing it."""
-        c = self.config
+        handing it to an instance's thread and back costs a good share of computing it. Small is by what
+        it costs where it runs: on an instance, or on every core (the lone session)."""
         idle = not self.queue and len(self._idle) == self.instances
-        return item.tokens <= c.inline_max_tokens and idle and self.pacing.alone()
+        if not (idle and self.pacing.alone()):
+            return False
+        return item.tokens <= self.config.inline_max_tokens or (
+            item.tokens <= self.lone_inline_max_tokens and self._alone([item])
+        )
 
     def _alone(self, items: list[WorkItem]) -> bool:
         """Whether `items`, about to start, run alone: every instance idle, nothing left queued, requests

@@ -135,6 +135,20 @@ def lone_threshold(points: list[tuple[int, float, float]]) -> int | None:
     return threshold
 
 
+def lone_inline_tokens(points: list[tuple[int, float, float]], handoff: float, threshold: int) -> int:
+    """The most tokens a request alone on an idle server may have to run on the lone session from the event
+    loop's own thread: the largest measured size, from `threshold` up, whose lone time (`points`' third) and
+    every smaller one's is at most INLINE_HANDOFFS hand-offs, the bound an instance's inline requests keep."""
+    tokens = 0
+    for size, _, lone in sorted(points):
+        if size < threshold:
+            continue
+        if lone > INLINE_HANDOFFS * handoff:
+            break
+        tokens = size
+    return tokens
+
+
 def served_seconds(executor: Executor, batch: Callable[[], object], pause: float = 0.002) -> float:
     """Seconds for an event loop to have `batch` run on an instance's thread and get its result back, after
     a pause (so the threads have gone to sleep, as between requests): a batch's cost as served, not as

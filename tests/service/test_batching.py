@@ -35,7 +35,7 @@ from service.repository.layout import ModelConfig
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import LONE, DynamicBatcher, select_batch
 from service.scheduling.config import BatchingConfig
-from service.scheduling.tuning import lone_threshold
+from service.scheduling.tuning import lone_inline_tokens, lone_threshold
 from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import Recorder, blocker_request, model_stats, until, until_computing
@@ -277,6 +277,30 @@ def test_a_small_batch_alone_stays_on_its_instance_below_the_lone_threshold() ->
         assert await b.submit(_item(1, length=40)) == 2
         assert await b.submit(_item(2, length=64)) == 4
         assert model.instances == [0, LONE]
+        await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_alone_runs_on_the_loops_thread_up_to_what_the_lone_session_computes_in_the_inline_bound() -> None:
+    # (tokens, an instance's seconds, the lone session's), a hand-off of 0.1 ms: the inline bound is 2 ms
+    measured = [(16, 0.0008, 0.0009), (32, 0.0016, 0.0011), (64, 0.003, 0.0019), (128, 0.006, 0.0035)]
+    assert lone_inline_tokens(measured, 0.0001, 32) == 64
+    assert lone_inline_tokens(measured, 0.0001, 128) == 0  # from the threshold on: 128 is over the bound
+    assert lone_inline_tokens(measured, 0.00001, 32) == 0
+
+    async def run() -> None:
+        model = Doubler(hold_first=False)
+        b = DynamicBatcher("m", BatchingConfig(inline_max_tokens=8), model, instances=2, lone=True)
+        b.lone_min_tokens, b.lone_inline_max_tokens = 32, 64
+        b.start()
+        loop_thread = threading.get_ident()
+        for k, length in enumerate([8, 16, 32, 64, 65]):
+            assert await b.submit(_item(k, length=length)) == 2 * k
+        on_loop = [t == loop_thread for t in model.threads]
+        # 8: an instance's inline size; 16: an instance's thread; 32, 64: lone, on the loop; 65: lone, handed off
+        assert on_loop == [True, False, True, True, False]
+        assert model.instances[2:] == [LONE, LONE, LONE]
         await b.close()
 
     asyncio.run(run())
