@@ -30,7 +30,7 @@ from service.frontends.messages import (
     statistics_message,
 )
 from service.frontends.statuses import grpc_status
-from service.frontends.wire_limits import Refused, infer_request_deserializer
+from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
 from service.serving.dataplane import MAX_ID_CHARS, DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
@@ -314,8 +314,15 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
     """inference.GRPCInferenceService served by `service`, ModelInfer's and ModelStreamInfer's messages
     counted on the wire before they are parsed (a refusal reaches the method in the message's place)."""
     handlers = protocol.method_handlers(service)
+
+    def deserialize(data: bytes) -> Any:
+        request = infer_request_deserializer(data)
+        if isinstance(request, protocol.Undecodable) and len(data) > WALKED_BYTES:
+            service.plane.refused_large()
+        return request
+
     for name in ("ModelInfer", "ModelStreamInfer"):
-        handlers[name] = handlers[name]._replace(request_deserializer=infer_request_deserializer)
+        handlers[name] = handlers[name]._replace(request_deserializer=deserialize)
     return grpc.method_handlers_generic_handler(protocol.SERVICE_NAME, handlers)
 
 

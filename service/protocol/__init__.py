@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import traceback
 from collections.abc import Callable
 from functools import cache
 from importlib import resources
@@ -227,7 +228,14 @@ def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Any]:
         async def guarded(request: Any, context: Any) -> Any:
             if isinstance(request, Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            return await behaviour(request, context)
+            try:
+                return await behaviour(request, context)
+            except BaseException as e:
+                # grpc keeps an aborted call's exception until the server's next call: its frames would
+                # hold the request (up to --max-message-bytes) that long, so they let go of their locals.
+                traceback.clear_frames(e.__traceback__)
+                del request
+                raise
 
         return guarded
 

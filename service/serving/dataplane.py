@@ -100,6 +100,12 @@ class DataPlane:
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
 
+    def refused_large(self) -> None:
+        """A large request was refused before it reached a model (a front end counted it on the wire): the
+        heap it held goes back to the system, as a large request's does after its answer."""
+        if self._after_large is not None:
+            self._after_large()
+
     @property
     def traced(self) -> bool:
         """Whether requests are traced: a front end hands over its call's metadata or headers only then."""
