@@ -31,6 +31,7 @@ from service.models.response_cache import ResponseCache
 from service.observability import logs
 from service.observability.metrics import CacheMetrics, Metrics
 from service.repository.layout import RepositoryError
+from service.scheduling.loop_idle import new_event_loop
 from service.serving.dataplane import DataPlane
 from service.serving.registry import ModelRegistry, one_malloc_arena, return_freed_memory
 
@@ -262,7 +263,8 @@ def serve(settings: ServerSettings) -> int:
     one_malloc_arena()  # before any thread: memory an unloaded model frees goes back to the system
     logs.configure(settings.log_level, settings.access_log)
     try:
-        return asyncio.run(_serve(settings))
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # its selector notes when it was idle
+            return runner.run(_serve(settings))
     except RepositoryError as e:
         print(f"qkv: {e}", file=sys.stderr)
         return 2

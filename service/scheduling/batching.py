@@ -21,6 +21,7 @@ from service import priority
 from service.errors import Internal, ServingError, Unavailable
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
+from service.scheduling.loop_idle import last_idle
 from service.scheduling.tuning import CostModel, Pacing, Tuning, handoff_seconds, served_seconds
 
 OVERLAP_HANDOFFS = 3  # see `DynamicBatcher.use`
@@ -170,7 +171,8 @@ class DynamicBatcher:
         self.admission.admit(item.tokens, item.deadline)
         if item.trace is not None:
             item.trace.admitted(self.admission.predicted_queueing_ms())
-        self.pacing.arrived(item.arrived, busy=bool(self.queue) or len(self._idle) < self.instances)
+        busy = bool(self.queue) or len(self._idle) < self.instances
+        self.pacing.arrived(item.arrived, busy, last_idle())
         if self._inline(item):
             return self._run_inline(item)
         self.queue.append(item)

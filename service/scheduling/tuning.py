@@ -245,14 +245,18 @@ class Pacing:
         self.overlap = overlap  # an arrival this soon after an inline computation ended waited behind it
         self._alone = 0  # arrivals in a row that found the server idle and did not wait behind an inline one
         self._inline_end = -math.inf
+        self._behind = False  # the latest arrival waited behind an inline computation (the loop never idled)
 
-    def arrived(self, now: float, busy: bool = False) -> None:
-        """A request arrived at `now`; `busy`: others were queued or computing."""
+    def arrived(self, now: float, busy: bool = False, loop_idle: float | None = None) -> None:
+        """A request arrived at `now`; `busy`: others were queued or computing; `loop_idle`: when the event
+        loop last waited for work (service/scheduling/loop_idle.py; None: not known). A request reached
+        without the loop having waited since an inline computation ended had been waiting behind it."""
         if self._last:
             gap = now - self._last
             self.interarrival = gap if math.isinf(self.interarrival) else 0.8 * self.interarrival + 0.2 * gap
         self._last = now
-        overlapped = busy or (self.overlap is not None and now - self._inline_end < self.overlap)
+        self._behind = loop_idle is not None and loop_idle < self._inline_end
+        overlapped = busy or self._behind or (self.overlap is not None and now - self._inline_end < self.overlap)
         self._alone = 0 if overlapped else self._alone + 1
 
     def inlined(self, end: float) -> None:
@@ -260,9 +264,9 @@ class Pacing:
         self._inline_end = end
 
     def alone(self) -> bool:
-        """The last QUIET_ARRIVALS requests, the latest included, came one at a time (always, without an
-        `overlap` gap: the rule is then the configured token count alone)."""
-        return self.overlap is None or self._alone >= QUIET_ARRIVALS
+        """The last QUIET_ARRIVALS requests, the latest included, came one at a time (without an `overlap`
+        gap, the rule is then the configured token count alone: only the latest, and only by the loop)."""
+        return not self._behind and (self.overlap is None or self._alone >= QUIET_ARRIVALS)
 
     def company_soon(self) -> bool:
         return self.cost is None or self.interarrival < self.cost.fixed

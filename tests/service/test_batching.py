@@ -35,6 +35,7 @@ from service.repository.layout import ModelConfig
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import LONE, DynamicBatcher, select_batch
 from service.scheduling.config import BatchingConfig
+from service.scheduling.loop_idle import new_event_loop
 from service.scheduling.tuning import lone_inline_tokens, lone_threshold
 from service.seq2seq.graphs import session_options
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
@@ -231,6 +232,27 @@ def test_a_small_request_on_an_idle_server_runs_inline_and_a_failure_stays_its_o
         await b.close()
 
     asyncio.run(run())
+
+
+def test_a_request_that_waited_behind_an_inline_one_is_not_computed_inline() -> None:
+    """The server's loop notes when it waited for work (service/scheduling/loop_idle.py): a request it
+    reached straight after an inline computation had been queued behind it, and goes to an instance; were it
+    computed inline too, a concurrent load would be served one request at a time on one core."""
+
+    async def run() -> None:
+        model = Doubler(hold_first=False, seconds=0.002)
+        b = DynamicBatcher("m", BatchingConfig(inline_max_tokens=32), model, instances=2)
+        b.start()
+        loop_thread = threading.get_ident()
+        assert await asyncio.gather(b.submit(_item(1, length=8)), b.submit(_item(2, length=8))) == [2, 4]
+        assert [t == loop_thread for t in model.threads] == [True, False]
+        await asyncio.sleep(0.01)  # the loop waits for work: the next request comes alone
+        assert await b.submit(_item(3, length=8)) == 6
+        assert model.threads[2] == loop_thread
+        await b.close()
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(run())
 
 
 def test_a_batch_alone_on_an_idle_server_runs_as_lone_and_one_beside_another_on_its_instance() -> None:

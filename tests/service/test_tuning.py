@@ -133,6 +133,20 @@ def test_pacing_says_alone_only_after_requests_came_one_at_a_time() -> None:
     assert Pacing(None).alone()  # no overlap gap (inline_max_tokens from config.json): the token rule alone
 
 
+def test_a_request_the_loop_reached_without_waiting_after_an_inline_one_had_waited_behind_it() -> None:
+    for pacing in (Pacing(None, overlap=0.0003), Pacing(None)):  # tuned, or inline_max_tokens from config.json
+        now = 100.0
+        for k in range(QUIET_ARRIVALS):
+            pacing.arrived(now + 0.01 * k, loop_idle=now + 0.01 * k - 0.001)
+        assert pacing.alone()
+        pacing.inlined(now + 1.0)
+        # 5 ms later, far beyond the overlap gap, but the loop never waited since: it was queued behind it
+        pacing.arrived(now + 1.005, loop_idle=now + 0.9)
+        assert not pacing.alone()
+        pacing.arrived(now + 1.5, loop_idle=now + 1.499)  # the loop waited for this one: it came alone
+        assert pacing.alone() is (pacing.overlap is None)  # tuned: QUIET_ARRIVALS in a row again first
+
+
 class StandIn:
     """A model whose batch costs fixed + per_token x padded tokens, spent on the calling thread."""
 
