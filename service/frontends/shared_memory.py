@@ -359,9 +359,13 @@ class SharedMemoryRegistry:
 
     def attach(self, request: Any) -> RequestMemory | None:
         """The regions a ModelInferRequest's tensors name, leased and bounds-checked; None when it names none."""
+        if not any(len(t.parameters) for t in (*request.inputs, *request.outputs)):
+            return None  # most requests: no tensor has a parameter, so none names a region
         memory = RequestMemory(self)
         try:
             for tensor in request.inputs:
+                if not len(tensor.parameters):
+                    continue
                 what = f"input {quote(tensor.name)}"
                 placed = memory._place(tensor, what)
                 if placed is not None:
@@ -369,6 +373,8 @@ class SharedMemoryRegistry:
                         raise InvalidArgument(f"{what}: both contents and a shared memory region given")
                     memory.inputs[tensor.name] = placed
             for tensor in request.outputs:
+                if not len(tensor.parameters):
+                    continue
                 placed = memory._place(tensor, f"output {quote(tensor.name)}")
                 if placed is not None:
                     memory.outputs[tensor.name] = placed

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 if TYPE_CHECKING:  # aiohttp is imported only when the port is served
     from service.observability.metrics_http import MetricsServer
 
-__all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "seq_len_bucket"]
+__all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "VersionSeries", "seq_len_bucket"]
 
 SEQ_LEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 # Every label value comes from a fixed set: a model label names a model of the repository, and
@@ -240,6 +240,32 @@ class CacheMetrics:
 
     def dropped(self, size: int) -> None:
         self.metrics.cache_bytes.dec(size)
+
+
+class VersionSeries:
+    """The data plane's series of one model version, each labelled once: `labels()` takes a lock and a
+    lookup every call, several times a request otherwise."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str) -> None:
+        self._metrics, self._model, self._version = metrics, model, version
+        self.inflight = metrics.inflight.labels(model, version)
+        self.tokens_in = metrics.tokens.labels(model, version, "input")
+        self.tokens_out = metrics.tokens.labels(model, version, "output")
+        self._requests: dict[str, Counter] = {}
+        self._durations: dict[str, Histogram] = {}
+
+    def requests(self, code: str) -> Counter:
+        child = self._requests.get(code)
+        if child is None:
+            child = self._requests[code] = self._metrics.requests.labels(self._model, self._version, code)
+        return child
+
+    def duration(self, seq_len_bucket: str) -> Histogram:
+        child = self._durations.get(seq_len_bucket)
+        if child is None:
+            child = self._metrics.request_duration.labels(self._model, self._version, seq_len_bucket)
+            self._durations[seq_len_bucket] = child
+        return child
 
 
 class ModelObserver:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -38,7 +39,7 @@ from service.models.kinds import Result
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
 from service.observability import logs
-from service.observability.metrics import UNKNOWN_MODEL, Metrics, seq_len_bucket
+from service.observability.metrics import UNKNOWN_MODEL, Metrics, VersionSeries, seq_len_bucket
 from service.repository.ensemble_config import EnsembleStep
 from service.repository.layout import parse_config
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -97,6 +98,8 @@ class DataPlane:
         # Called after a large or refused request: the server hands the freed heap back to the system.
         self._after_large = after_large
         self.draining = False
+        # each version's series, labelled once (they go with the version: its series are removed at unload)
+        self._series: weakref.WeakKeyDictionary[ServedVersion, VersionSeries] = weakref.WeakKeyDictionary()
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
 
@@ -291,8 +294,14 @@ class DataPlane:
             raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
         model = self.model(request.model_name, request.model_version)
         model.in_flight.enter()  # a leaving version is freed, and its series go, once none is held
-        self.metrics.inflight.labels(model.name, model.version).inc()
+        self.series(model).inflight.inc()
         return model
+
+    def series(self, model: ServedVersion) -> VersionSeries:
+        found = self._series.get(model)
+        if found is None:
+            found = self._series[model] = VersionSeries(self.metrics, model.name, model.version)
+        return found
 
     async def _admitted(self, model: ServedVersion, request: InferRequest, trace: RequestTrace | None) -> Result:
         """The model's result, for a request that passes the drain, admission and the model's checks."""
@@ -319,14 +328,15 @@ class DataPlane:
             self.active -= 1
 
     def _count_tokens(self, model: ServedVersion, result: Result) -> None:
-        self.metrics.tokens.labels(model.name, model.version, "input").inc(result.tokens_in)
-        self.metrics.tokens.labels(model.name, model.version, "output").inc(result.tokens_out)
+        series = self.series(model)
+        series.tokens_in.inc(result.tokens_in)
+        series.tokens_out.inc(result.tokens_out)
 
     def _account(self, model: ServedVersion | None, code: str, seconds: float) -> None:
         """ModelStatistics: the request's outcome and time, on the version that took it."""
         if model is None:
             return
-        self.metrics.inflight.labels(model.name, model.version).dec()
+        self.series(model).inflight.dec()
         model.stats.answered(code == "OK", int(seconds * 1e9))
 
     def _count_request(
@@ -339,15 +349,15 @@ class DataPlane:
         trace: RequestTrace | None,
     ) -> None:
         """qkv_requests_total, and the latency of a request answered OK."""
-        label, version = UNKNOWN_MODEL, ""
-        if model is not None:
-            label, version = model.name, model.version
-        elif self.in_repository(request.model_name):  # a model of the repository: its version unknown
-            label = request.model_name
-        self.metrics.requests.labels(label, version, code).inc()
+        if model is None:  # no version took it
+            label = request.model_name if self.in_repository(request.model_name) else UNKNOWN_MODEL
+            self.metrics.requests.labels(label, "", code).inc()
+            return
+        series = self.series(model)
+        series.requests(code).inc()
         if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
             exemplar = trace.exemplar if trace is not None else None
-            self.metrics.request_duration.labels(label, version, seq_len_bucket(seq_len)).observe(seconds, exemplar)
+            series.duration(seq_len_bucket(seq_len)).observe(seconds, exemplar)
 
     def _log_access(self, request: InferRequest, code: str, seconds: float, seq_len: int) -> None:
         """--access-log: one JSON line, whatever the client's strings hold."""
@@ -401,7 +411,7 @@ def _classified(request: InferRequest, model: ServedVersion, outputs: dict[str, 
 
 
 def _elements(inputs: Sequence[InferInput]) -> int:
-    return sum(t.elements() for t in inputs)
+    return sum(t.elements for t in inputs)
 
 
 def _large(request: InferRequest) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -103,9 +104,10 @@ class InferInput:
         """An in-process array as an input."""
         return cls(name, datatype_of(array), array.shape, ArraySource(array))
 
+    @cached_property
     def elements(self) -> int:
         """The elements the shape declares, counted without building it (0 when it is invalid: `read` says
-        why)."""
+        why); counted once (the data plane asks more than once)."""
         if len(self.shape) > MAX_DIMS:
             return 0
         count = 1
