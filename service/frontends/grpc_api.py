@@ -318,7 +318,7 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
     def deserialize(data: bytes) -> Any:
         request = infer_request_deserializer(data)
         if isinstance(request, protocol.Undecodable) and len(data) > WALKED_BYTES:
-            service.plane.refused_large()
+            service.plane.large_request_done()
         return request
 
     for name in ("ModelInfer", "ModelStreamInfer"):

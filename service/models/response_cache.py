@@ -81,12 +81,7 @@ class ResponseCache(Generic[V]):
 
     def get(self, k: bytes, model: str, version: str) -> V | None:
         """The kept answer for `k`, counted as a hit or a miss."""
-        entry = self._entries.get(k)
-        self._looked_up(model, version, entry is not None)
-        if entry is None:
-            return None
-        self._entries.move_to_end(k)
-        return entry.value
+        return self.get_many([k], model, version)[0]
 
     def get_many(self, keys: list[bytes], model: str, version: str) -> list[V | None]:
         """`get` for each of `keys` (g2p's words), counted once for the lot."""

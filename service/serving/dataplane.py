@@ -103,9 +103,9 @@ class DataPlane:
         self.active = 0  # requests inside a model right now
         self.last_arrival = 0.0  # monotonic time of the latest inference request
 
-    def refused_large(self) -> None:
-        """A large request was refused before it reached a model (a front end counted it on the wire): the
-        heap it held goes back to the system, as a large request's does after its answer."""
+    def large_request_done(self) -> None:
+        """A large or refused request is done (answered here, or refused on the wire by a front end): the heap
+        it held goes back to the system."""
         if self._after_large is not None:
             self._after_large()
 
@@ -242,8 +242,8 @@ class DataPlane:
             self._log_access(request, code, seconds, seq_len)
             if model is not None:
                 model.in_flight.leave()
-            if self._after_large is not None and (code == "INVALID_ARGUMENT" or _large(request)):
-                self._after_large()
+            if code == "INVALID_ARGUMENT" or _large(request):
+                self.large_request_done()
         assert outcome is not None  # answered, or refused with a ServingError
         return outcome
 
