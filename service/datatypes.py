@@ -90,9 +90,10 @@ def check_datatype(name: str, datatype: str) -> None:
 
 
 def datatype_of(array: np.ndarray) -> str:
-    if array.dtype == np.object_ or array.dtype.kind in "SU":
+    dtype = array.dtype
+    if dtype.kind in "OSU":  # by kind: comparing with np.object_ builds a dtype every call
         return "BYTES"
-    return _DATATYPE_OF[array.dtype.str]
+    return _DATATYPE_OF[dtype.str]
 
 
 def decode_bytes(raw: bytes, count: int, name: str, max_bytes: int | None = None) -> np.ndarray:

@@ -60,19 +60,27 @@ def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
     return out
 
 
+# Each numeric datatype's numpy type as it travels (little-endian) and as this machine holds it.
+_WIRE_DTYPES = {
+    name: (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder("="))
+    for name, t in NUMPY_DTYPES.items()
+    if name != "BYTES"
+}
+
+
 def raw_array(
     name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes, limits: InputLimits
 ) -> np.ndarray:
     """A tensor's little-endian bytes (BYTES: length-prefixed) -> an array of its checked `shape`."""
     if datatype == "BYTES":
         return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)
-    dtype = np.dtype(NUMPY_DTYPES[datatype]).newbyteorder("<")
+    dtype, native = _WIRE_DTYPES[datatype]
     if len(raw) != count * dtype.itemsize:
         raise InvalidArgument(
             f"input {quote(name)}: raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
             f"{count * dtype.itemsize}"
         )
-    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype).astype(native, copy=False).reshape(shape)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ class _Parameters(Mapping[str, Parameter]):
     def __iter__(self) -> Iterator[str]:
         return (k for k, p in self._params.items() if p.WhichOneof("parameter_choice") is not None)
 
+    def __contains__(self, key: object) -> bool:  # Mapping's would raise and catch a KeyError
+        return key in self._params and self._params[key].WhichOneof("parameter_choice") is not None
+
     def __getitem__(self, key: str) -> Parameter:
         if key not in self._params:  # indexing a protobuf map would add the key
             raise KeyError(key)
@@ -81,12 +84,15 @@ class _Inputs(Sequence[InferInput]):
             f"{raw} raw_input_contents for {n} inputs{where}: give one per input" if raw and raw != n else ""
         )
         self._built: dict[int, InferInput] = {}  # the data plane reads a tensor more than once
+        self._all: list[InferInput] | None = None
 
     def __len__(self) -> int:
         return len(self._tensors)
 
     def __iter__(self) -> Iterator[InferInput]:
-        return (self[i] for i in range(len(self._tensors)))
+        if self._all is None:  # iterated after the data plane counted them: every one is read
+            self._all = [self[i] for i in range(len(self._tensors))]
+        return iter(self._all)
 
     @overload
     def __getitem__(self, k: int) -> InferInput: ...
@@ -112,9 +118,13 @@ class _Outputs(Sequence[RequestedOutput]):
 
     def __init__(self, outputs: Any) -> None:
         self._outputs = outputs
+        self._built: dict[int, RequestedOutput] = {}  # the data plane reads an output more than once
 
     def __len__(self) -> int:
         return len(self._outputs)
+
+    def __iter__(self) -> Iterator[RequestedOutput]:  # Sequence's would end on a raised IndexError
+        return (self[i] for i in range(len(self._outputs)))
 
     @overload
     def __getitem__(self, k: int) -> RequestedOutput: ...
@@ -123,8 +133,11 @@ class _Outputs(Sequence[RequestedOutput]):
     def __getitem__(self, k: int | slice) -> RequestedOutput | Sequence[RequestedOutput]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
-        o = self._outputs[k]
-        return RequestedOutput(o.name, _Parameters(o.parameters))
+        built = self._built.get(k)
+        if built is None:
+            o = self._outputs[k]
+            built = self._built[k] = RequestedOutput(o.name, _Parameters(o.parameters))
+        return built
 
 
 def decode_request(
@@ -162,7 +175,7 @@ def encode_response(answer: InferResponse, memory: shared_memory.RequestMemory |
 MAX_SHARED_TENSORS = 1024
 
 
-async def _attached(regions: shared_memory.SharedMemoryRegistry, message: Any) -> shared_memory.RequestMemory | None:
+def _attached(regions: shared_memory.SharedMemoryRegistry, message: Any) -> shared_memory.RequestMemory | None:
     """The regions a request's tensors name, leased (None: it names none); an error is the request's answer."""
     if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
         return None
@@ -236,7 +249,7 @@ class InferenceService:
 
     async def ModelInfer(self, request: Any, context: Context) -> Any:
         try:
-            memory = await _attached(self.regions, request)
+            memory = _attached(self.regions, request)
         except ServingError as e:
             await _abort(context, e)
         try:
@@ -264,7 +277,7 @@ class InferenceService:
         async def answer(request: Any) -> None:
             memory = None
             try:
-                memory = await _attached(self.regions, request)
+                memory = _attached(self.regions, request)
                 outcome = await self.plane.infer(
                     decode_request(request, context, self.plane, "ModelStreamInfer", memory)
                 )

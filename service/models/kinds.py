@@ -148,6 +148,15 @@ def checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model:
     return inputs
 
 
+def _outside(ids: np.ndarray, size: int) -> bool:
+    """Whether any of the token `ids` lies outside [0, size): one pass for signed integers, whose negatives
+    read as unsigned are above any vocabulary's size."""
+    bits = 8 * ids.dtype.itemsize
+    if ids.dtype.kind == "i" and size < 1 << (bits - 1):
+        return bool(ids.view(f"u{ids.dtype.itemsize}").max() >= size)
+    return bool(ids.min() < 0 or ids.max() >= size)
+
+
 def check_outputs(names: list[str], asked: list[str], model: str) -> None:
     """InvalidArgument naming the first of the `asked` outputs that the model (its outputs `names`) lacks."""
     for o in asked:
@@ -425,7 +434,7 @@ class TensorModel:
             )
         for name, size in self.vocab_size.items():
             a = feeds.get(name)
-            if a is not None and a.size and (a.min() < 0 or a.max() >= size):
+            if a is not None and a.size and _outside(a, size):
                 bad = int(a.min()) if a.min() < 0 else int(a.max())
                 raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
         return length

@@ -35,12 +35,13 @@ class IdleSelector(selectors.DefaultSelector):
         self.idle_at = 0.0  # time.monotonic() when the latest wait ended
 
     def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        if timeout is not None and timeout <= 0:  # work is pending: this is no wait
+            return super().select(timeout)
         start = time.monotonic()
         events: list[tuple[Any, int]] = super().select(timeout)
-        if timeout is None or timeout > 0:
-            end = time.monotonic()
-            if end - start >= IDLE_WAIT_S:
-                self.idle_at = end
+        end = time.monotonic()
+        if end - start >= IDLE_WAIT_S:
+            self.idle_at = end
         return events
 
 

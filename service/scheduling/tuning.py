@@ -52,6 +52,9 @@ PEAK_SHARE = 0.97  # the budget: the fewest tokens at which the sweep's throughp
 INLINE_HANDOFFS = 20  # computed on the event loop: a request that costs at most this many hand-offs
 QUIET_ARRIVALS = 8  # ... and only after this many requests in a row have come one at a time
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
+# Each batch size of the sweep is timed this many times, the best kept: with two, a moment's noise on a shared
+# machine moved the token budget between 256 and 1024 from one start to the next.
+SWEEP_RUNS = 3
 REFIT_EVERY = 32  # served batches between refits
 
 
@@ -106,12 +109,12 @@ class CostModel:
 
 
 def sweep(run: Callable[[int], float], length: int, max_rows: int) -> list[tuple[int, float]]:
-    """(padded tokens, best seconds of two runs) for 1, 2, 4 ... max_rows rows of `length`; stops early
+    """(padded tokens, best seconds of SWEEP_RUNS runs) for 1, 2, 4 ... max_rows rows of `length`; stops early
     once a batch takes SWEEP_LIMIT_S (a large model's full sweep would hold the start for seconds)."""
     points = []
     rows = 1
     while rows <= max_rows:
-        seconds = min(run(rows) for _ in range(2))
+        seconds = min(run(rows) for _ in range(SWEEP_RUNS))
         points.append((rows * length, seconds))
         if seconds > SWEEP_LIMIT_S or rows == max_rows:
             break

@@ -218,13 +218,17 @@ class DataPlane:
         self.last_arrival = time.monotonic()
         trace = self._trace(request)
         model: ServedVersion | None = None
+        series: VersionSeries | None = None
         code, seq_len = "OK", 0
         outcome: InferResponse | ServingError | None = None
         try:
             model = self._lookup(request)
+            series = self.series(model)
+            series.inflight.inc()
             result = await self._admitted(model, request, trace)
             seq_len = result.seq_len
-            self._count_tokens(model, result)
+            series.tokens_in.inc(result.tokens_in)
+            series.tokens_out.inc(result.tokens_out)
             outcome = InferResponse(model.name, model.version, request.id, result.outputs, seq_len)
         except ServingError as e:
             code = e.code
@@ -235,8 +239,9 @@ class DataPlane:
             raise
         finally:
             seconds = time.perf_counter() - start
-            self._account(model, code, seconds)
-            self._count_request(request, model, code, seconds, seq_len, trace)
+            if model is not None:
+                model.stats.answered(code == "OK", int(seconds * 1e9))
+            self._count_request(request, series, code, seconds, seq_len, trace)
             if self.tracing is not None and trace is not None:
                 self.tracing.finish(trace, code, outcome, model, seq_len)
             self._log_access(request, code, seconds, seq_len)
@@ -294,7 +299,6 @@ class DataPlane:
             raise InvalidArgument(f"request id {quote(request.id)} is too long: the limit is {MAX_ID_CHARS}")
         model = self.model(request.model_name, request.model_version)
         model.in_flight.enter()  # a leaving version is freed, and its series go, once none is held
-        self.series(model).inflight.inc()
         return model
 
     def series(self, model: ServedVersion) -> VersionSeries:
@@ -315,7 +319,7 @@ class DataPlane:
             _check_counts(request, model)
             inputs = await _decode(request, model)
             outputs = [o.name for o in request.outputs]
-            params = dict(request.parameters.items())
+            params = dict(request.parameters.items()) if len(request.parameters) else {}
             infer = partial(model.infer, inputs, outputs, params, request.deadline, trace)
             cache = self.cache
             if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
@@ -323,37 +327,26 @@ class DataPlane:
                 result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
             else:
                 result = await infer()
-            return replace(result, outputs=_classified(request, model, result.outputs))
+            classified = _classified(request, model, result.outputs)
+            return result if classified is result.outputs else replace(result, outputs=classified)
         finally:
             self.active -= 1
-
-    def _count_tokens(self, model: ServedVersion, result: Result) -> None:
-        series = self.series(model)
-        series.tokens_in.inc(result.tokens_in)
-        series.tokens_out.inc(result.tokens_out)
-
-    def _account(self, model: ServedVersion | None, code: str, seconds: float) -> None:
-        """ModelStatistics: the request's outcome and time, on the version that took it."""
-        if model is None:
-            return
-        self.series(model).inflight.dec()
-        model.stats.answered(code == "OK", int(seconds * 1e9))
 
     def _count_request(
         self,
         request: InferRequest,
-        model: ServedVersion | None,
+        series: VersionSeries | None,
         code: str,
         seconds: float,
         seq_len: int,
         trace: RequestTrace | None,
     ) -> None:
-        """qkv_requests_total, and the latency of a request answered OK."""
-        if model is None:  # no version took it
+        """qkv_requests_total, and the latency of a request answered OK; the in-flight gauge let go of."""
+        if series is None:  # no version took it
             label = request.model_name if self.in_repository(request.model_name) else UNKNOWN_MODEL
             self.metrics.requests.labels(label, "", code).inc()
             return
-        series = self.series(model)
+        series.inflight.dec()
         series.requests(code).inc()
         if code == "OK":  # a sampled request's trace id is its exemplar (shown in the OpenMetrics format)
             exemplar = trace.exemplar if trace is not None else None
@@ -410,14 +403,10 @@ def _classified(request: InferRequest, model: ServedVersion, outputs: dict[str, 
     return out
 
 
-def _elements(inputs: Sequence[InferInput]) -> int:
-    return sum(t.elements for t in inputs)
-
-
 def _large(request: InferRequest) -> bool:
     """Whether a request held many entries or elements (len() alone, for the entries)."""
     fields = len(request.inputs) + len(request.outputs) + len(request.parameters)
-    return fields > LARGE_FIELDS or _elements(request.inputs) > THREAD_ELEMENTS
+    return fields > LARGE_FIELDS or request.elements > THREAD_ELEMENTS
 
 
 def _misnamed(names: Sequence[InferInput] | Sequence[RequestedOutput], known: list[str], what: str, model: str) -> str:
@@ -456,7 +445,7 @@ def _check_counts(request: InferRequest, model: ServedVersion) -> None:
 async def _decode(request: InferRequest, model: ServedVersion) -> dict[str, np.ndarray]:
     """The request's input tensors as arrays. A large request is decoded on a worker thread, a slice at a
     time, while the event loop goes on answering others."""
-    if _elements(request.inputs) > THREAD_ELEMENTS:
+    if request.elements > THREAD_ELEMENTS:
         return await asyncio.to_thread(_read_inputs, request.inputs, model)
     return _read_inputs(request.inputs, model)
 

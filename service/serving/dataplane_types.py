@@ -45,8 +45,8 @@ def checked_shape(name: str, datatype: str, dims: Sequence[int], limits: InputLi
     check_datatype(name, datatype)
     if len(dims) > MAX_DIMS:  # counted before the shape becomes Python ints
         raise InvalidArgument(f"input {quote(name)}: shape has {len(dims)} dimensions, the limit is {MAX_DIMS}")
-    shape = tuple(int(d) for d in dims)
-    if any(d < 0 for d in shape):
+    shape = tuple(map(int, dims))
+    if shape and min(shape) < 0:
         raise InvalidArgument(f"input {quote(name)}: negative dimension in shape {list(shape)}")
     count, extent = 1, 1
     for d in shape:
@@ -148,6 +148,11 @@ class InferRequest:
     method: str = "ModelInfer"
     step_of: str = ""
     parent_trace: RequestTrace | None = None
+
+    @cached_property
+    def elements(self) -> int:
+        """The elements its inputs declare (counted once: whether it is large is asked more than once)."""
+        return sum(t.elements for t in self.inputs)
 
 
 @dataclass
