@@ -40,6 +40,7 @@ from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
+    GRAPH_POSITIONS,
     GRAPHEMES_FILE,
     PHONEMES_FILE,
     STEP_INPUTS,
@@ -57,7 +58,7 @@ LOGIT_TOLERANCE = 1e-4
 MIN_ROUNDING_AGREEMENT = 0.99  # of parity words whose greedy answer fp16 weights leave as it was
 MAX_WORD_LENGTH = 32  # graphemes; CMUdict's longest word has 28
 MAX_OUTPUT_LENGTH = 40  # phonemes; CMUdict's longest pronunciation has 28
-MAX_SEQUENCE_LENGTH = 512  # positions the exported graphs cover (the tensor model takes long inputs)
+MAX_SEQUENCE_LENGTH = GRAPH_POSITIONS  # positions the exported graphs cover (the tensor model takes long inputs)
 
 
 class _EncoderOnly(nn.Module):

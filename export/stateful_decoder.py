@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from service.seq2seq.graphs import DECODER_FILE, ENCODER_FILE, PER_LAYER_INPUTS, STEP_INPUTS
+from service.seq2seq.graphs import DECODER_FILE, ENCODER_FILE, GRAPH_POSITIONS, PER_LAYER_INPUTS, STEP_INPUTS
 
 __all__ = ["MODEL_NAME", "build_graph", "main", "model_config", "write_model"]
 
@@ -214,6 +214,8 @@ def model_config(model: onnx.ModelProto, source: Path, hashes: dict[str, str]) -
         "limits": {"max_sequence_length": MAX_WORD_LENGTH, "vocab_size": vocab},
         "sequence_batching": {
             "max_sequence_idle_microseconds": MAX_SEQUENCE_IDLE_US,
+            # request n runs with n cache slots: past the graphs' positions it would fail inside onnxruntime
+            "max_sequence_requests": GRAPH_POSITIONS,
             "oldest": {"max_candidate_sequences": 64, "max_queue_delay_microseconds": 0},
             "control_input": [
                 {"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}]}

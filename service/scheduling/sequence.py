@@ -105,6 +105,7 @@ class _Sequence:
     queue: deque[SequenceStep] = field(default_factory=deque)
     running: bool = False
     ending: bool = False  # an END request is queued (and no start after it)
+    requests: int = 0  # admitted since its latest start, that one included
 
     @property
     def state_bytes(self) -> int:
@@ -293,6 +294,16 @@ class SequenceBatcher:
                 f"model '{self.name}': sequence {self._shown(sid)} has ended (its sequence_end request is already "
                 "queued): a new sequence must set sequence_start"
             )
+        elif not step.start and self.config.max_sequence_requests and seq.requests >= self.config.max_sequence_requests:
+            # Its state has grown as far as the model takes it (a key/value cache past the graph's positions):
+            # the run would fail inside the model. The sequence ends here.
+            seq.ending = True
+            if not seq.queue and not seq.running:
+                self._free(seq)
+            raise InvalidArgument(
+                f"model '{self.name}': sequence {self._shown(sid)} has had {seq.requests} requests, "
+                f"sequence_batching.max_sequence_requests {self.config.max_sequence_requests}: the sequence is ended"
+            )
         elif step.start:
             log.warning(
                 "model '%s': sequence %s started again before it ended; its queued requests run first, then it "
@@ -304,6 +315,7 @@ class SequenceBatcher:
             seq.ending = True
         elif step.start:
             seq.ending = False
+        seq.requests = 1 if step.start else seq.requests + 1
         step.arrived, step.order = now, next(self._order)
         seq.queue.append(step)
         self._touch(seq, now)

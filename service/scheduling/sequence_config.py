@@ -9,7 +9,8 @@ into typed values for the sequence batcher (service/scheduling/sequence.py).
       "state": [{"input_name": "STATE_IN", "output_name": "STATE_OUT", "data_type": "TYPE_INT32",
                  "dims": [1], "initial_state": [{"data_type": "TYPE_INT32", "dims": [1],
                                                  "zero_data": true, "name": "zeros"}]}],
-      "max_sequences": 1024, "max_state_bytes": 67108864                             (qkv's own bounds)
+      "max_sequences": 1024, "max_state_bytes": 67108864,                            (qkv's own bounds)
+      "max_sequence_requests": 512
     }
 
 64-bit integers may be decimal strings (protobuf's JSON form). A wrong value raises `SequenceConfigError`
@@ -115,6 +116,7 @@ class SequenceConfig:
     states: tuple[StateSpec, ...] = ()
     max_sequences: int = DEFAULT_MAX_SEQUENCES
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+    max_sequence_requests: int = 0  # requests from a start on, at most (0: no bound): what a growing state can hold
 
     def control(self, kind: str) -> Control | None:
         return next((c for c in self.controls if c.kind == kind), None)
@@ -262,7 +264,8 @@ def parse_sequence_batching(raw: Any) -> SequenceConfig:
     """config.json's "sequence_batching" -> SequenceConfig; SequenceConfigError naming the key when wrong."""
     key = "sequence_batching"
     s = _object(raw, key, {"max_sequence_idle_microseconds", "direct", "oldest", "control_input", "state",
-                           "iterative_sequence", "max_sequences", "max_state_bytes"})  # fmt: skip
+                           "iterative_sequence", "max_sequences", "max_state_bytes",
+                           "max_sequence_requests"})  # fmt: skip
     if "direct" in s and "oldest" in s:
         raise SequenceConfigError(f"{key}: give one strategy, direct or oldest, not both")
     out: dict[str, Any] = {}
@@ -304,7 +307,7 @@ def parse_sequence_batching(raw: Any) -> SequenceConfig:
         )
     if s.get("iterative_sequence", False) is not False:
         raise SequenceConfigError(f"{key}.iterative_sequence: qkv does not serve iterative sequences")
-    for bound in ("max_sequences", "max_state_bytes"):
+    for bound in ("max_sequences", "max_state_bytes", "max_sequence_requests"):
         if bound in s:
             out[bound] = _int(s[bound], f"{key}.{bound}", 1)
     controls = []

@@ -13,6 +13,7 @@ __all__ = [
     "DECODER_FILE",
     "ENCODER_FILE",
     "GRAPHEMES_FILE",
+    "GRAPH_POSITIONS",
     "PHONEMES_FILE",
     "OnnxSeq2Seq",
     "graph_file",
@@ -23,6 +24,7 @@ __all__ = [
 
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
 GRAPHEMES_FILE, PHONEMES_FILE = "graphemes.json", "phonemes.json"
+GRAPH_POSITIONS = 512  # positions the exported graphs cover: their positional encoding's rows
 
 
 def graph_file(name: str, precision: str = "fp32") -> str:

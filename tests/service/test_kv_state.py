@@ -24,6 +24,7 @@ from export.stateful_decoder import MODEL_NAME, write_model
 from service.incremental import IncrementalG2P, compare_with_g2p, one_shot
 from service.scheduling.sequence import SequenceBatcher, SequenceStep
 from service.scheduling.sequence_config import Control, InitialState, SequenceConfig, StateSpec
+from service.seq2seq.graphs import GRAPH_POSITIONS
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
@@ -198,5 +199,24 @@ def test_the_growing_cache_is_bounded_by_max_state_bytes(decoder_server: Running
         assert len(answers) == 5
         with pytest.raises(InferenceServerException, match="sequence 7 is not live"):
             client.infer("g2p_decoder_small", _inputs([0], 1), sequence_id=7)
+    finally:
+        client.close()
+
+
+def test_decoding_past_the_graphs_positions_is_refused_by_name_and_ends_the_word(decoder_server: RunningServer) -> None:
+    """Request n runs with n cache slots; the graphs cover GRAPH_POSITIONS. A client that decodes on past
+    </s> gets every request up to that many answered, then INVALID_ARGUMENT naming the bound (not
+    onnxruntime's failure inside the graph), and the word is ended."""
+    client = grpcclient.InferenceServerClient(decoder_server.url)
+    ids = Vocabulary.load(MODELS / "g2p" / "2" / "graphemes.json").encode("attention")
+    try:
+        for t in range(GRAPH_POSITIONS):
+            client.infer(MODEL_NAME, _inputs(ids if t == 0 else [0], 1), sequence_id=9, sequence_start=t == 0)
+        with pytest.raises(InferenceServerException) as e:
+            client.infer(MODEL_NAME, _inputs([0], 1), sequence_id=9)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert f"has had {GRAPH_POSITIONS} requests, sequence_batching.max_sequence_requests" in e.value.message()
+        with pytest.raises(InferenceServerException, match="sequence 9 is not live"):
+            client.infer(MODEL_NAME, _inputs([0], 1), sequence_id=9, sequence_end=True)
     finally:
         client.close()

@@ -374,6 +374,24 @@ def test_a_state_that_grows_past_the_bound_ends_its_sequence() -> None:
     run(test)
 
 
+def test_a_sequence_past_its_request_bound_is_refused_and_ended_and_a_new_start_counts_afresh() -> None:
+    async def test() -> None:
+        b = batcher(Accumulator(), max_sequence_requests=3)
+        b.start()
+        assert await send(b, 1, [1, 1, 1]) == [1, 2, 3]  # three requests, the last one its end: freed
+        for i in range(3):
+            await b.submit(step(2, 1, start=i == 0))
+        with pytest.raises(InvalidArgument, match=r"3 requests, sequence_batching\.max_sequence_requests 3"):
+            await b.submit(step(2, 1))
+        assert 2 not in b.live and b.state_bytes == 0  # ended and freed: nothing of it ran or waited
+        with pytest.raises(InvalidArgument, match="is not live"):
+            await b.submit(step(2, 1))
+        assert await send(b, 2, [5, 1]) == [5, 6]  # started again: counted from its start
+        await b.close()
+
+    run(test)
+
+
 def test_a_start_for_a_live_sequence_restarts_it_after_its_queued_requests() -> None:
     async def test() -> None:
         model = Accumulator()
@@ -525,6 +543,7 @@ def test_tritons_sequence_batching_json_parses_to_typed_values() -> None:
     assert c.states == (StateSpec("S_IN", "S_OUT", "INT32", (-1,), InitialState("INT32", (1,), None, "z")),)
     assert c.hidden_inputs == {"START", "END", "READY", "CORRID", "S_IN"}
     assert parse_sequence_batching({}) == SequenceConfig()  # direct, Triton's default
+    assert parse_sequence_batching({"max_sequence_requests": "512"}).max_sequence_requests == 512
 
 
 @pytest.mark.parametrize(
@@ -553,6 +572,7 @@ def test_tritons_sequence_batching_json_parses_to_typed_values() -> None:
                      "initial_state": [{"data_type": "TYPE_INT32", "dims": [1], "data_file": "../x"}]}]},
          "must name a file in initial_state/"),
         ({"max_sequences": 0}, "sequence_batching.max_sequences must be an integer >= 1"),
+        ({"max_sequence_requests": True}, "sequence_batching.max_sequence_requests must be an integer >= 1"),
     ],
 )  # fmt: skip
 def test_a_wrong_sequence_batching_value_is_refused_naming_its_key(raw: Any, message: str) -> None:
