@@ -5,15 +5,18 @@ h kept as implicit state between the requests of a sequence), so small that a st
 request's own: decoding, scheduling, handing the row to an instance, answering. That is the case of
 real stateful models (streaming speech, incremental decoding), whose steps are small and many.
 
-One server; clients send each step over gRPC with tritonclient's sequence parameters (`sequence_id`,
-`sequence_start`, `sequence_end`), SEQUENCE_STEPS steps a sequence. "one at a time": one sequence, step
-after step, then the next. "64 at once": 64 sequences, each step after step, so the sequence batcher can
-put a step of each into one batch. The two alternate ROUNDS times on the same server; the ratio of
-steps/s is the median of the rounds' ratios (each pair back to back, so the machine's drift cancels).
-Beside each: the server's mean batch size and its CPU per step (from its metrics and /proc). Last, the
-same server's bare RPC (ServerLive, no model, no decoding) at 64 concurrent calls: Python gRPC's own
-cost per call, which every step pays however it is batched, so its calls/s over one-at-a-time steps/s
-bounds the ratio any batching can reach through this server's front end on this machine.
+One server; clients send each step with tritonclient's sequence parameters (`sequence_id`,
+`sequence_start`, `sequence_end`), SEQUENCE_STEPS steps a sequence, over either transport Triton's
+sequence clients use: "stream", each client's steps on one ModelStreamInfer stream (as
+simple_grpc_sequence_stream_infer_client does), or "unary", a ModelInfer call a step (as
+simple_grpc_sequence_sync_infer_client does). "one at a time": one sequence, step after step, then the
+next. "64 at once": 64 sequences, each step after step, so the sequence batcher can put a step of each
+into one batch. Within a round every transport and mode runs back to back on the same server, ROUNDS
+rounds; each transport's ratio of steps/s is the median of the rounds' ratios (the machine's drift
+cancels). Beside each: the server's mean batch size and its CPU per step (from its metrics and /proc).
+Last, the same server's bare RPC (ServerLive, no model, no decoding) at 64 concurrent calls: Python
+gRPC's own cost per unary call, which every unary step pays however it is batched, so its calls/s over
+one-at-a-time unary steps/s bounds the ratio any batching can reach through unary calls on this machine.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ import numpy as np
 from service import loadgen
 from service.bench.servers import Servers, bare_rpc, cpus, process_cpu, scrape
 
-__all__ = ["CONCURRENT", "MODEL", "SEQUENCE_STEPS", "gru_step_model", "sequences_bench", "sequences_table"]
+__all__ = [
+    "CONCURRENT",
+    "MODEL",
+    "SEQUENCE_STEPS",
+    "TRANSPORTS",
+    "gru_step_model",
+    "sequences_bench",
+    "sequences_table",
+]
 
 MODEL = "gru_step"
 FEATURES, HIDDEN = 16, 64  # x: (B, FEATURES), h: (B, HIDDEN)
@@ -104,11 +115,62 @@ class _Tally:
         self.codes[code] = self.codes.get(code, 0) + 1
 
 
-async def _sequences(url: str, concurrency: int, seconds: float, ids: itertools.count[int]) -> _Tally:
+TRANSPORTS = ("stream", "unary")
+
+
+class _Unary:
+    """A client's steps as ModelInfer calls, one a step."""
+
+    def __init__(self, client: Any, step_input: Any) -> None:
+        self.client, self.x = client, step_input
+
+    async def step(self, sid: int, start: bool, end: bool) -> str | None:
+        """None when answered OK, else the error's status."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            await self.client.infer(
+                MODEL, [self.x], sequence_id=sid, sequence_start=start, sequence_end=end, client_timeout=60
+            )
+        except InferenceServerException as e:
+            return str(e.status())
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Stream:
+    """A client's steps on one ModelStreamInfer stream, each sent once the previous one is answered."""
+
+    def __init__(self, client: Any, step_input: Any) -> None:
+        self.x = step_input
+        self.requests: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.answers = client.stream_infer(self._sent(), stream_timeout=600).__aiter__()
+
+    async def _sent(self) -> Any:
+        while (request := await self.requests.get()) is not None:
+            yield request
+
+    async def step(self, sid: int, start: bool, end: bool) -> str | None:
+        self.requests.put_nowait(
+            {"model_name": MODEL, "inputs": [self.x], "sequence_id": sid, "sequence_start": start, "sequence_end": end}
+        )
+        _, error = await self.answers.__anext__()
+        return None if error is None else str(error.status() or "stream error")
+
+    async def close(self) -> None:
+        self.requests.put_nowait(None)  # the client is done sending: the stream ends once answered
+        async for _ in self.answers:
+            pass
+
+
+async def _sequences(
+    url: str, concurrency: int, seconds: float, ids: itertools.count[int], transport: str = "unary"
+) -> _Tally:
     """`concurrency` clients, each sending sequences of SEQUENCE_STEPS steps, step after step, for
-    `seconds`; a sequence cut by the window is ended by one more step (not counted)."""
+    `seconds` over `transport`; a sequence cut by the window is ended by one more step (not counted)."""
     import tritonclient.grpc.aio as grpcclient
-    from tritonclient.utils import InferenceServerException
 
     tally = _Tally()
     x = grpcclient.InferInput("INPUT", [1, FEATURES], "FP32")
@@ -117,22 +179,22 @@ async def _sequences(url: str, concurrency: int, seconds: float, ids: itertools.
         stop = time.perf_counter() + seconds
 
         async def client_loop() -> None:
-            while time.perf_counter() < stop:
-                sid = next(ids)
-                for i in range(SEQUENCE_STEPS):
-                    late = time.perf_counter() >= stop
-                    try:
-                        await client.infer(
-                            MODEL, [x], sequence_id=sid, sequence_start=i == 0,
-                            sequence_end=late or i == SEQUENCE_STEPS - 1, client_timeout=60,
-                        )  # fmt: skip
-                    except InferenceServerException as e:
-                        tally.count(str(e.status()))
-                        break  # the sequence cannot go on: a new one
-                    if late:
-                        break
-                    tally.steps += 1
-                    tally.count("OK")
+            sender = _Stream(client, x) if transport == "stream" else _Unary(client, x)
+            try:
+                while time.perf_counter() < stop:
+                    sid = next(ids)
+                    for i in range(SEQUENCE_STEPS):
+                        late = time.perf_counter() >= stop
+                        failed = await sender.step(sid, i == 0, late or i == SEQUENCE_STEPS - 1)
+                        if failed is not None:
+                            tally.count(failed)
+                            break  # the sequence cannot go on: a new one
+                        if late:
+                            break
+                        tally.steps += 1
+                        tally.count("OK")
+            finally:
+                await sender.close()
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return tally
@@ -146,10 +208,10 @@ def _batch_counts(metrics_url: str) -> tuple[float, float]:
     return rows, batches
 
 
-def _slice(server: Any, concurrency: int, seconds: float, ids: itertools.count[int]) -> dict[str, Any]:
+def _slice(server: Any, transport: str, concurrency: int, seconds: float, ids: itertools.count[int]) -> dict[str, Any]:
     rows0, batches0 = _batch_counts(server.metrics_url)
     cpu0, client0, t0 = process_cpu(server.process.pid), loadgen.own_cpu(), time.perf_counter()
-    tally = asyncio.run(_sequences(server.url, concurrency, seconds, ids))
+    tally = asyncio.run(_sequences(server.url, concurrency, seconds, ids, transport))
     wall = time.perf_counter() - t0
     server_cpu, client_cpu = process_cpu(server.process.pid) - cpu0, loadgen.own_cpu() - client0
     rows, batches = (a - b for a, b in zip(_batch_counts(server.metrics_url), (rows0, batches0), strict=True))
@@ -165,7 +227,8 @@ def _slice(server: Any, concurrency: int, seconds: float, ids: itertools.count[i
 
 
 def sequences_bench(out: Path, seconds: float, instances: int = 1) -> dict[str, Any]:
-    """Steps/s one sequence at a time and CONCURRENT at once, alternating on one server; writes sequences.json."""
+    """Steps/s one sequence at a time and CONCURRENT at once, over each transport, alternating on one server;
+    writes sequences.json. `seconds`: each transport's and mode's share of the run, over all rounds."""
     scratch = out / "sequences-scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     models = scratch / f"models-{time.time_ns()}"
@@ -173,35 +236,45 @@ def sequences_bench(out: Path, seconds: float, instances: int = 1) -> dict[str, 
     servers = Servers(models, scratch)
     ids = itertools.count(1)
     modes = {"one at a time": 1, f"{CONCURRENT} at once": CONCURRENT}
-    rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {t: {m: [] for m in modes} for t in TRANSPORTS}
     try:
         server = servers.start()
-        for c in modes.values():  # warm: the first requests of each pattern pay for connections and allocations
-            _slice(server, c, min(0.5, seconds / 4), ids)
+        for transport in TRANSPORTS:  # warm: the first requests of each pattern pay for connections and allocations
+            for c in modes.values():
+                _slice(server, transport, c, min(0.5, seconds / 4), ids)
         for _ in range(ROUNDS):
-            for mode, c in modes.items():
-                rounds[mode].append(_slice(server, c, seconds / ROUNDS, ids))
+            for transport in TRANSPORTS:
+                for mode, c in modes.items():
+                    rounds[transport][mode].append(_slice(server, transport, c, seconds / ROUNDS, ids))
         live = scrape(server.metrics_url).get(f'qkv_live_sequences{{model="{MODEL}",version="1"}}', 0.0)
         bare = bare_rpc(server.url, server.process.pid, CONCURRENT)
     finally:
         servers.close()
-    one, many = rounds.values()
     result: dict[str, Any] = {
         "machine": {"cpus": cpus(), "instances": instances, "max_batch_size": CONCURRENT,
                     "max_queue_delay_us": MAX_QUEUE_DELAY_US, "steps_per_sequence": SEQUENCE_STEPS},
         "target": TARGET,
-        "ratio": float(np.median([b["steps_per_s"] / a["steps_per_s"] for a, b in zip(one, many, strict=True)])),
         "live_sequences_after": live,
         "bare_rpc": bare,
     }  # fmt: skip
-    for mode, runs in rounds.items():
-        numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-        codes: dict[str, int] = {}
-        for r in runs:
-            for k, v in r["codes"].items():
-                codes[k] = codes.get(k, 0) + v
-        result[mode] = {**{k: float(np.median([r[k] for r in runs])) for k in numbers}, "codes": codes, "rounds": runs}
-    result["bare_rpc_bound"] = bare["rps"] / result["one at a time"]["steps_per_s"]
+    for transport, by_mode in rounds.items():
+        one, many = by_mode.values()
+        summary: dict[str, Any] = {
+            "ratio": float(np.median([b["steps_per_s"] / a["steps_per_s"] for a, b in zip(one, many, strict=True)]))
+        }
+        for mode, runs in by_mode.items():
+            numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+            codes: dict[str, int] = {}
+            for r in runs:
+                for k, v in r["codes"].items():
+                    codes[k] = codes.get(k, 0) + v
+            summary[mode] = {
+                **{k: float(np.median([r[k] for r in runs])) for k in numbers},
+                "codes": codes,
+                "rounds": runs,
+            }
+        result[transport] = summary
+    result["bare_rpc_bound"] = bare["rps"] / result["unary"]["one at a time"]["steps_per_s"]
     (out / "sequences.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -209,24 +282,30 @@ def sequences_bench(out: Path, seconds: float, instances: int = 1) -> dict[str, 
 def sequences_table(r: dict[str, Any]) -> str:
     """The figures as BENCHMARKS.md shows them."""
     lines = [
-        "| sequences | steps/s | mean batch | server CPU per step | client CPU per step |",
-        "|---|---|---|---|---|",
+        "| transport | sequences | steps/s | mean batch | server CPU per step | client CPU per step |",
+        "|---|---|---|---|---|---|",
     ]
-    for mode in ("one at a time", f"{CONCURRENT} at once"):
-        m = r[mode]
-        lines.append(
-            f"| {mode} | {m['steps_per_s']:.0f} | {m['mean_batch']:.1f} | {m['server_cpu_us_per_step']:.0f} us "
-            f"| {m['client_cpu_us_per_step']:.0f} us |"
-        )
+    for transport in TRANSPORTS:
+        for mode in ("one at a time", f"{CONCURRENT} at once"):
+            m = r[transport][mode]
+            lines.append(
+                f"| {transport} | {mode} | {m['steps_per_s']:.0f} | {m['mean_batch']:.1f} | "
+                f"{m['server_cpu_us_per_step']:.0f} us | {m['client_cpu_us_per_step']:.0f} us |"
+            )
     b = r["bare_rpc"]
     lines.append(
-        f"| bare RPC (ServerLive), {CONCURRENT} at once | {b['rps']:.0f} calls/s | | {b['server_cpu_us']:.0f} us "
-        f"| {b['client_cpu_us']:.0f} us |"
+        f"| unary | bare RPC (ServerLive), {CONCURRENT} at once | {b['rps']:.0f} calls/s | | "
+        f"{b['server_cpu_us']:.0f} us | {b['client_cpu_us']:.0f} us |"
     )
-    verdict = "meets" if r["ratio"] >= r["target"] else "misses"
+    lines.append("")
+    for transport in TRANSPORTS:
+        ratio = r[transport]["ratio"]
+        verdict = "meets" if ratio >= r["target"] else "misses"
+        lines.append(
+            f"{transport}: {CONCURRENT} at once / one at a time: {ratio:.2f}x ({verdict} the {r['target']:g}x target)"
+        )
     lines.append(
-        f"\n{CONCURRENT} at once / one at a time: {r['ratio']:.2f}x ({verdict} the {r['target']:g}x target); "
-        f"bare RPC calls/s / one-at-a-time steps/s: {r['bare_rpc_bound']:.2f}x, the most any batching of steps "
-        "reaches through this front end here"
+        f"unary bound: bare RPC calls/s / one-at-a-time unary steps/s: {r['bare_rpc_bound']:.2f}x, the most any "
+        "batching of unary steps reaches through this front end here"
     )
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from service.frontends.messages import (
 )
 from service.frontends.statuses import grpc_status
 from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
-from service.serving.dataplane import MAX_ID_CHARS, DataPlane
+from service.serving.dataplane import MAX_ID_CHARS, MAX_PARAMETERS, DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
 __all__ = ["STREAM_WINDOW", "InferenceService", "generic_handler"]
@@ -66,6 +66,19 @@ class _Parameters(Mapping[str, Parameter]):
             raise KeyError(key)
         value: Parameter = getattr(p, which)
         return value
+
+
+def _parameters(params: Any) -> Mapping[str, Parameter]:
+    """A message's map of InferParameter: as a dict, read in one pass, when it holds at most MAX_PARAMETERS
+    entries; else as the view, whose length the data plane refuses before it reads any entry."""
+    if len(params) > MAX_PARAMETERS:
+        return _Parameters(params)
+    out: dict[str, Parameter] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        if which is not None:
+            out[key] = getattr(p, which)
+    return out
 
 
 class _Inputs(Sequence[InferInput]):
@@ -136,7 +149,7 @@ class _Outputs(Sequence[RequestedOutput]):
         built = self._built.get(k)
         if built is None:
             o = self._outputs[k]
-            built = self._built[k] = RequestedOutput(o.name, _Parameters(o.parameters))
+            built = self._built[k] = RequestedOutput(o.name, _parameters(o.parameters))
         return built
 
 
@@ -152,7 +165,7 @@ def decode_request(
         id=message.id,
         inputs=_Inputs(message, memory),
         outputs=_Outputs(message.outputs),
-        parameters=_Parameters(message.parameters),
+        parameters=_parameters(message.parameters),
         deadline=time.monotonic() + remaining if remaining is not None else None,
         trace_context=context.invocation_metadata() if plane.traced else None,
         method=method,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import unicodedata
@@ -396,7 +397,7 @@ class TensorModel:
 
     def _row_elements(self, feeds: dict[str, np.ndarray]) -> int:
         """The most elements one row of an input holds (the whole tensor without a batch axis)."""
-        return max((int(np.prod(a.shape[1:] if self.batchable else a.shape)) for a in feeds.values()), default=1)
+        return max((math.prod(a.shape[1:] if self.batchable else a.shape) for a in feeds.values()), default=1)
 
     def _on_sequence_axis(self, s: TensorSpec) -> bool:
         axis = self.sequence_axis
@@ -426,12 +427,13 @@ class TensorModel:
             if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
                 raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
         length = self._length(feeds)
-        # Without a sequence axis, max_sequence_length bounds the elements of one row.
-        longest = length if self.sequence_axis is not None else self._row_elements(feeds)
-        if self.max_sequence_length and longest > self.max_sequence_length:
-            raise InvalidArgument(
-                f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
-            )
+        if self.max_sequence_length:
+            # Without a sequence axis, max_sequence_length bounds the elements of one row.
+            longest = length if self.sequence_axis is not None else self._row_elements(feeds)
+            if longest > self.max_sequence_length:
+                raise InvalidArgument(
+                    f"sequence length {longest} exceeds model '{self.name}' limit of {self.max_sequence_length}"
+                )
         for name, size in self.vocab_size.items():
             a = feeds.get(name)
             if a is not None and a.size and _outside(a, size):

@@ -259,9 +259,9 @@ class SequenceBatcher:
         the state it leaves."""
         assert step.future is not None
         self._admit(step)
-        # Retrieved even when the client has gone, so that no failed future is left unread.
-        step.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._changed.set()
+        if self._idle:  # with every instance computing, only a batch's end can start the next one
+            self._changed.set()
+        # Shielded: the client's leaving does not cancel the step (shield reads the step's error then).
         return await asyncio.shield(step.future)
 
     def _admit(self, step: SequenceStep) -> None:

@@ -10,9 +10,9 @@ mappings so that a front end may hand them over as views of its message: the dat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -104,16 +104,13 @@ class InferInput:
         """An in-process array as an input."""
         return cls(name, datatype_of(array), array.shape, ArraySource(array))
 
-    @cached_property
+    @property
     def elements(self) -> int:
         """The elements the shape declares, counted without building it (0 when it is invalid: `read` says
-        why); counted once (the data plane asks more than once)."""
-        if len(self.shape) > MAX_DIMS:
+        why)."""
+        if len(self.shape) > MAX_DIMS or (self.shape and min(self.shape) < 0):
             return 0
-        count = 1
-        for d in self.shape:
-            count *= max(int(d), 0)
-        return count
+        return math.prod(self.shape)
 
     def read(self, limits: InputLimits) -> np.ndarray:
         return self.source.read(self.name, self.datatype, self.shape, limits)
@@ -149,10 +146,15 @@ class InferRequest:
     step_of: str = ""
     parent_trace: RequestTrace | None = None
 
-    @cached_property
+    _elements: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
     def elements(self) -> int:
-        """The elements its inputs declare (counted once: whether it is large is asked more than once)."""
-        return sum(t.elements for t in self.inputs)
+        """The elements its inputs declare, counted once: whether it is large is asked more than once.
+        (Not functools.cached_property, which takes a lock on every first read.)"""
+        if self._elements is None:
+            self._elements = sum(t.elements for t in self.inputs)
+        return self._elements
 
 
 @dataclass

@@ -12,7 +12,7 @@ import onnx
 import tritonclient.grpc as grpcclient
 from onnx import numpy_helper
 
-from service.bench.sequences import CONCURRENT, FEATURES, HIDDEN, MODEL, gru_step_model
+from service.bench.sequences import CONCURRENT, FEATURES, HIDDEN, MODEL, TRANSPORTS, gru_step_model
 from tests.conftest import start_server, stop_server
 from tests.service.test_bench import bench
 
@@ -39,17 +39,19 @@ def test_the_gru_step_model_carries_its_state_between_the_steps_of_a_sequence(tm
         stop_server(server)
 
 
-def test_sequences_bench_runs_both_ways_and_batches_the_concurrent_steps(tmp_path: Path) -> None:
+def test_sequences_bench_runs_both_ways_over_both_transports_and_batches_the_concurrent_steps(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = bench("--sequences", "--seconds", "0.6", "--out", str(out))
     assert done.returncode == 0, done.stderr
     r = json.loads((out / "sequences.json").read_text())
-    one, many = r["one at a time"], r[f"{CONCURRENT} at once"]
-    for mode in (one, many):
-        assert mode["steps"] > 0 and mode["codes"] == {"OK": sum(x["steps"] for x in mode["rounds"])}, mode
-        assert mode["steps_per_s"] > 0 and mode["server_cpu_us_per_step"] > 0
-    assert one["mean_batch"] == 1.0  # one request in flight: never a batch of more
-    assert many["mean_batch"] > 1.0  # 64 sequences waiting while a batch runs: theirs go together
-    assert r["ratio"] > 0 and r["bare_rpc"]["rps"] > 0
-    assert r["live_sequences_after"] == 0  # each client ended the sequence the window cut
-    assert f"{CONCURRENT} at once / one at a time:" in done.stdout
+    for transport in TRANSPORTS:
+        one, many = r[transport]["one at a time"], r[transport][f"{CONCURRENT} at once"]
+        for mode in (one, many):
+            assert mode["steps"] > 0 and mode["codes"] == {"OK": sum(x["steps"] for x in mode["rounds"])}, mode
+            assert mode["steps_per_s"] > 0 and mode["server_cpu_us_per_step"] > 0
+        assert one["mean_batch"] == 1.0  # one request in flight: never a batch of more
+        assert many["mean_batch"] > 1.0  # 64 sequences waiting while a batch runs: theirs go together
+        assert r[transport]["ratio"] > 0
+        assert f"{transport}: {CONCURRENT} at once / one at a time:" in done.stdout
+    assert r["bare_rpc"]["rps"] > 0
+    assert r["live_sequences_after"] == 0  # each client ended the sequence the window cut, on either transport
