@@ -52,9 +52,7 @@ PEAK_SHARE = 0.97  # the budget: the fewest tokens at which the sweep's throughp
 INLINE_HANDOFFS = 20  # computed on the event loop: a request that costs at most this many hand-offs
 QUIET_ARRIVALS = 8  # ... and only after this many requests in a row have come one at a time
 SWEEP_LIMIT_S = 0.25  # a sweep stops growing batches once one takes this long
-# Each batch size of the sweep is timed this many times, the best kept: with two, a moment's noise on a shared
-# machine moved the token budget between 256 and 1024 from one start to the next.
-SWEEP_RUNS = 3
+SWEEP_RUNS = 3  # each batch size of the sweep is timed this many times, in turns, the best kept
 REFIT_EVERY = 32  # served batches between refits
 
 
@@ -110,16 +108,20 @@ class CostModel:
 
 def sweep(run: Callable[[int], float], length: int, max_rows: int) -> list[tuple[int, float]]:
     """(padded tokens, best seconds of SWEEP_RUNS runs) for 1, 2, 4 ... max_rows rows of `length`; stops early
-    once a batch takes SWEEP_LIMIT_S (a large model's full sweep would hold the start for seconds)."""
-    points = []
+    once a batch takes SWEEP_LIMIT_S (a large model's full sweep would hold the start for seconds). The sizes
+    are timed in turns, a run of each per round: a slow moment of a shared machine then slows one run of
+    several sizes, not every run of one (which moved the budget between 256 and 1,024 tokens)."""
+    best: dict[int, float] = {}
     rows = 1
-    while rows <= max_rows:
-        seconds = min(run(rows) for _ in range(SWEEP_RUNS))
-        points.append((rows * length, seconds))
-        if seconds > SWEEP_LIMIT_S or rows == max_rows:
+    while True:  # the first round finds the sizes
+        best[rows] = run(rows)
+        if best[rows] > SWEEP_LIMIT_S or rows == max_rows:
             break
         rows = min(rows * 2, max_rows)
-    return points
+    for _ in range(SWEEP_RUNS - 1):
+        for rows in best:
+            best[rows] = min(best[rows], run(rows))
+    return [(rows * length, seconds) for rows, seconds in best.items()]
 
 
 LONE_GAIN = 0.9  # the lone session is used where it takes at most this share of an instance's time

@@ -63,6 +63,18 @@ def test_the_sweep_stops_once_a_batch_is_slow() -> None:
     assert [t for t, _ in sweep(lambda rows: 1e-4 * rows, 16, 8)] == [16, 32, 64, 128]
 
 
+def test_a_slow_moment_of_the_machine_slows_no_size_of_the_sweep_throughout() -> None:
+    """Three runs in a row come out three times slower (another process took the core): timed in turns,
+    every size still has an undisturbed run to keep. Timed back to back, one size's every run fell there."""
+    calls = iter(range(1000))
+
+    def run(rows: int) -> float:
+        slow = next(calls) in (6, 7, 8)
+        return 1e-3 * rows * (3 if slow else 1)
+
+    assert sweep(run, length=16, max_rows=64) == [(16 * r, 1e-3 * r) for r in (1, 2, 4, 8, 16, 32, 64)]
+
+
 def _tuned(cost: tuple[float, float], handoff: float, given: frozenset[str] = frozenset()) -> Any:
     fixed, per_token = cost
     points = [(t, fixed + per_token * t) for t in (64, 128, 256, 512, 1024, 2048, 4096)]
