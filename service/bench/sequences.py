@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from service import loadgen
-from service.bench.servers import Servers, bare_rpc, cpus, process_cpu, scrape
+from service.bench.servers import Servers, bare_rpc, cpus, median_of, paired_ratio, process_cpu, scrape
 
 __all__ = [
     "CONCURRENT",
@@ -115,9 +116,6 @@ class _Tally:
         self.codes[code] = self.codes.get(code, 0) + 1
 
 
-TRANSPORTS = ("stream", "unary")
-
-
 class _Unary:
     """A client's steps as ModelInfer calls, one a step."""
 
@@ -165,9 +163,11 @@ class _Stream:
             pass
 
 
-async def _sequences(
-    url: str, concurrency: int, seconds: float, ids: itertools.count[int], transport: str = "unary"
-) -> _Tally:
+SENDERS: dict[str, type[_Stream | _Unary]] = {"stream": _Stream, "unary": _Unary}
+TRANSPORTS = tuple(SENDERS)
+
+
+async def _sequences(url: str, concurrency: int, seconds: float, ids: itertools.count[int], transport: str) -> _Tally:
     """`concurrency` clients, each sending sequences of SEQUENCE_STEPS steps, step after step, for
     `seconds` over `transport`; a sequence cut by the window is ended by one more step (not counted)."""
     import tritonclient.grpc.aio as grpcclient
@@ -179,7 +179,7 @@ async def _sequences(
         stop = time.perf_counter() + seconds
 
         async def client_loop() -> None:
-            sender = _Stream(client, x) if transport == "stream" else _Unary(client, x)
+            sender = SENDERS[transport](client, x)
             try:
                 while time.perf_counter() < stop:
                     sid = next(ids)
@@ -257,26 +257,18 @@ def sequences_bench(out: Path, seconds: float, instances: int = 1) -> dict[str, 
         "live_sequences_after": live,
         "bare_rpc": bare,
     }  # fmt: skip
+    one, many = modes
     for transport, by_mode in rounds.items():
-        one, many = by_mode.values()
-        summary: dict[str, Any] = {
-            "ratio": float(np.median([b["steps_per_s"] / a["steps_per_s"] for a, b in zip(one, many, strict=True)]))
-        }
-        for mode, runs in by_mode.items():
-            numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-            codes: dict[str, int] = {}
-            for r in runs:
-                for k, v in r["codes"].items():
-                    codes[k] = codes.get(k, 0) + v
-            summary[mode] = {
-                **{k: float(np.median([r[k] for r in runs])) for k in numbers},
-                "codes": codes,
-                "rounds": runs,
-            }
-        result[transport] = summary
+        summary = {mode: {**median_of(runs), "codes": _codes(runs)} for mode, runs in by_mode.items()}
+        result[transport] = {"ratio": paired_ratio(summary, many, one, "steps_per_s"), **summary}
     result["bare_rpc_bound"] = bare["rps"] / result["unary"]["one at a time"]["steps_per_s"]
     (out / "sequences.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _codes(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """The answers' status codes, counted over all the runs."""
+    return dict(sum((Counter(r["codes"]) for r in runs), Counter()))
 
 
 def sequences_table(r: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "Servers",
     "bare_rpc",
     "cpus",
+    "median_of",
     "padding_share",
     "paired_ratio",
     "process_cpu",
@@ -123,7 +124,7 @@ def take_turns(
                 by[name].append(measure(s, name, f"{name} {r + 1}/{rounds}"))
             finally:
                 servers.stop(s)
-    return {name: _median_of(runs) for name, runs in by.items()}
+    return {name: median_of(runs) for name, runs in by.items()}
 
 
 def paired_ratio(turns: dict[str, dict[str, Any]], a: str, b: str, figure: str) -> float:
@@ -133,7 +134,8 @@ def paired_ratio(turns: dict[str, dict[str, Any]], a: str, b: str, figure: str) 
     return float(np.median([x[figure] / y[figure] for x, y in pairs]))
 
 
-def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number of the runs' figures, its median over them; the runs themselves under "rounds"."""
     numbers = [k for k, v in runs[0].items() if isinstance(v, int | float)]
     return {**{k: float(np.median([x[k] for x in runs])) for k in numbers}, "rounds": runs}
 

@@ -41,6 +41,12 @@ _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is 
 T = TypeVar("T")
 
 
+def _value(p: Any) -> Parameter | None:
+    """An InferParameter's value; None when none is set."""
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
 class _Parameters(Mapping[str, Parameter]):
     """A message's map of InferParameter as plain values. len() counts every entry on the wire; the
     entries without a value set are not iterated."""
@@ -60,11 +66,9 @@ class _Parameters(Mapping[str, Parameter]):
     def __getitem__(self, key: str) -> Parameter:
         if key not in self._params:  # indexing a protobuf map would add the key
             raise KeyError(key)
-        p = self._params[key]
-        which = p.WhichOneof("parameter_choice")
-        if which is None:
+        value = _value(self._params[key])
+        if value is None:
             raise KeyError(key)
-        value: Parameter = getattr(p, which)
         return value
 
 
@@ -75,9 +79,9 @@ def _parameters(params: Any) -> Mapping[str, Parameter]:
         return _Parameters(params)
     out: dict[str, Parameter] = {}
     for key, p in params.items():
-        which = p.WhichOneof("parameter_choice")
-        if which is not None:
-            out[key] = getattr(p, which)
+        value = _value(p)
+        if value is not None:
+            out[key] = value
     return out
 
 
