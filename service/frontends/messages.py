@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from google.protobuf import json_format
+
 from service import protocol
 from service.models.catalog import BATCHING_SHOWN, ServedVersion
 from service.models.response_cache import ResponseCache
@@ -60,6 +62,8 @@ def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, 
 
 def config_message(m: ServedVersion) -> Any:
     """Triton's ModelConfig of a version: its tensors, instances and batching, and qkv's own parameters."""
+    if m.config.triton is not None:
+        return protocol.ModelConfigResponse(config=triton_config_message(m))
     batched = m.max_batch_size > 0
     declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
     types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
@@ -100,6 +104,37 @@ def config_message(m: ServedVersion) -> Any:
             if key in sources:
                 config.parameters[f"batching.{key}.source"].string_value = sources[key]
     return protocol.ModelConfigResponse(config=config)
+
+
+def triton_config_message(m: ServedVersion) -> Any:
+    """A version read from a Triton config: the file's config as it is, plus the fields Triton's own
+    auto-complete fills where the file left them out (inputs and outputs from the graph, max_batch_size,
+    platform and backend, one instance group, the default model file name)."""
+    config = protocol.ModelConfig()
+    json_format.ParseDict(m.config.triton or {}, config)
+    config.name = m.name
+    batched = m.max_batch_size > 0
+    if "max_batch_size" not in (m.config.triton or {}):
+        config.max_batch_size = m.max_batch_size
+    if m.config.ensemble is not None:
+        config.platform = "ensemble"
+        return config
+    if not config.platform and not config.backend:
+        config.platform = "onnxruntime_onnx"
+    if not config.backend:
+        config.backend = "onnxruntime"
+    if not config.default_model_filename:
+        config.default_model_filename = "model.onnx"
+    types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
+    types["BYTES"] = int(protocol.DataType.TYPE_STRING)
+    if not config.input:
+        config.input.extend(_model_input(s, types[s.datatype], batched, {}) for s in m.inputs)
+    if not config.output:
+        config.output.extend(_model_output(s, types[s.datatype], batched, {}) for s in m.outputs)
+    if not config.instance_group:
+        kind = protocol.ModelInstanceGroup.KIND_GPU if "CUDA" in m.provider else protocol.ModelInstanceGroup.KIND_CPU
+        config.instance_group.add(name=m.name, count=max(1, m.config.instances), kind=kind)
+    return config
 
 
 def _duration(count: int, ns: int) -> Any:

@@ -74,10 +74,28 @@ def _session(path: Path, config: ModelConfig, providers: list[str], lone: bool =
         # seq 64 2.65 ms against 2.09) and stop when the run ends: spinning on would take the instances'
         # cores after a lone request (3.7 ms of CPU a 0.75 ms seq 16 run, one every 2 ms).
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    providers = triton_providers(config, options, providers)
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types for corrupt graphs
         raise RepositoryError(f"model '{config.name}': cannot load {path}: {e}") from e
+
+
+def triton_providers(config: ModelConfig, options: ort.SessionOptions, providers: list[str]) -> list[str]:
+    """What a Triton config asks of the session: the onnxruntime backend's parameters (execution_mode,
+    enable_mem_arena, enable_mem_pattern) set on `options`, and the providers to use: an execution
+    accelerator's first, CUDA for instance_group KIND_GPU (the repository refused both where missing)."""
+    session = config.session
+    if "execution_mode" in session:
+        options.execution_mode = (
+            ort.ExecutionMode.ORT_PARALLEL if session["execution_mode"] else ort.ExecutionMode.ORT_SEQUENTIAL
+        )
+    if "enable_mem_arena" in session:
+        options.enable_cpu_mem_arena = session["enable_mem_arena"]
+    if "enable_mem_pattern" in session:
+        options.enable_mem_pattern = session["enable_mem_pattern"]
+    chosen = [CUDA, CPU] if config.device == "cuda" else list(providers)
+    return [*config.accelerators, *(p for p in chosen if p not in config.accelerators)]
 
 
 def _check_declared(

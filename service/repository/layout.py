@@ -23,6 +23,16 @@ from typing import Any
 
 from service.observability.metrics import UNKNOWN_MODEL
 from service.repository.ensemble_config import MAX_STEPS, EnsembleConfig, EnsembleConfigError, parse_ensemble_scheduling
+from service.repository.triton_config import (
+    TritonConfigError,
+    TritonTranslation,
+    gives_max_batch_size,
+    is_triton_form,
+    log_left_aside,
+    parse_json,
+    read_pbtxt,
+    translate,
+)
 from service.scheduling.config import BatchingConfig
 from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
@@ -147,6 +157,13 @@ class ModelConfig:
     sequence_batching: SequenceConfig | None = None
     # Ensembles: Triton's "ensemble_scheduling", the steps' models and how tensors flow between them.
     ensemble: EnsembleConfig | None = None
+    # Read from a Triton config (config.pbtxt, or config.json in Triton's JSON form): the file's config in
+    # Triton's JSON form, which the ModelConfig answer starts from; None for qkv's own config.json.
+    triton: dict[str, Any] | None = None
+    device: str = ""  # "cuda": instance_group KIND_GPU; "": the server's --device
+    accelerators: tuple[str, ...] = ()  # onnxruntime providers tried first (optimization.execution_accelerators)
+    session: dict[str, bool] = field(default_factory=dict)  # onnxruntime backend parameters: execution_mode, ...
+    warmup: tuple[dict[str, Any], ...] = ()  # model_warmup's samples, in Triton's JSON form
 
 
 def _integer(value: Any) -> bool:
@@ -318,13 +335,15 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     if not numbered:
         raise RepositoryError(f"model '{name}': no numbered version directory in {model_dir}")
     chosen = version if version is not None else str(max(numbered))
-    config_path = model_dir / "config.json"
     where = f"model '{name}'"
-    if raw is None:
-        raw = read_config(config_path, where)
-    elif not isinstance(raw, dict):
+    if raw is not None and not isinstance(raw, dict):
         raise RepositoryError(f"{where}: the configuration must be a JSON object, got {type(raw).__name__}")
-    at = f"{where}: config.json"
+    triton = triton_config(model_dir, where, raw)
+    if triton is not None:
+        raw = triton.raw
+    elif raw is None:
+        raw = read_config(model_dir / "config.json", where)
+    at = f"{where}: {'config.json' if triton is None else triton.source}"
     _top_level(raw, at)  # every value is checked against its type before anything reads it
     platform = _typed_value("str", raw.get("platform", ""), "platform", at)  # Triton's: only "ensemble" says anything
     default_kind = "ensemble" if platform == ENSEMBLE_PLATFORM else "tensor"
@@ -371,6 +390,10 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
+    extras: dict[str, Any] = {}
+    if triton is not None:
+        log_left_aside(at, triton.logged)
+        extras = {"triton": triton.triton, **triton.extras}
     return ModelConfig(
         name=name,
         kind=kind,
@@ -386,7 +409,42 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         sequence_batching=sequence,
         ensemble=ensemble,
         **settings,
+        **extras,
     )
+
+
+def triton_config(model_dir: Path, where: str, raw: dict[str, Any] | None = None) -> TritonTranslation | None:
+    """The model's Triton config translated (from `raw`, a load request's, when given; else config.pbtxt,
+    or a config.json in Triton's JSON form); None when the config is qkv's own form. A directory holding
+    both config.pbtxt and config.json is refused: which one wins would be a guess."""
+    pbtxt, json_path = model_dir / "config.pbtxt", model_dir / "config.json"
+    try:
+        if raw is None:
+            if pbtxt.exists() and json_path.exists():
+                raise RepositoryError(
+                    f"{where}: {model_dir} holds both config.pbtxt (Triton's) and config.json; keep one: qkv "
+                    "reads either, and would have to guess which one you meant"
+                )
+            if pbtxt.exists():
+                at = f"{where}: config.pbtxt"
+                message, text = read_pbtxt(pbtxt, at, MAX_CONFIG_BYTES)
+                unbatched = gives_max_batch_size(text) and message.max_batch_size == 0
+                return translate(message, at, _providers(), "config.pbtxt", unbatched)
+            raw = read_config(json_path, where)
+        if not is_triton_form(raw):
+            return None
+        at = f"{where}: config.json"
+        unbatched = as_integer(raw.get("max_batch_size")) == 0
+        return translate(parse_json(raw, at), at, _providers(), "config.json", unbatched)
+    except TritonConfigError as e:
+        raise RepositoryError(str(e)) from None
+
+
+def _providers() -> list[str]:
+    """onnxruntime's execution providers in this installation."""
+    import onnxruntime as ort  # imported when a Triton config needs it
+
+    return list(ort.get_available_providers())
 
 
 def _ensemble(
@@ -415,7 +473,10 @@ def dependencies(model_dir: Path, raw: dict[str, Any] | None = None) -> tuple[st
     `raw`, a load request's) without checking the rest: a config that does not parse has none here, and its
     load says why."""
     try:
-        if raw is None:
+        triton = triton_config(model_dir, model_dir.name, raw)
+        if triton is not None:
+            raw = triton.raw
+        elif raw is None:
             raw = read_config(model_dir / "config.json", model_dir.name)
         config = raw.get("ensemble_scheduling")
         steps = config.get("step") if isinstance(config, dict) else None

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,21 @@ class ServedModel:
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
+_VERSION_STRING = re.compile(r"\s*[+-]?[0-9]+")  # what C++'s std::stol, which Triton reads it with, accepts
+
+
+def check_version_string(version: str) -> None:
+    """A version that is no integer, or is negative, refused INVALID_ARGUMENT in Triton's words (its
+    GetModelVersionFromString: clients match on them)."""
+    if not _VERSION_STRING.match(version):
+        raise InvalidArgument(
+            f"failed to get model version from specified version string '{version}' (details: stol), version "
+            "should be an integral value > 0"
+        )
+    if version.strip().startswith("-"):
+        raise InvalidArgument(f"invalid model version specified '{version}' , version should be an integral value > 0")
+
+
 def one_malloc_arena() -> None:
     """Every thread allocates from glibc's main heap, called before the first threads start. Sessions are
     built on worker threads; in per-thread arenas, what an unloaded version freed could stay resident
@@ -174,6 +190,7 @@ class ModelRegistry:
             )
         if not version:
             return served.ordered()[-1]
+        check_version_string(version)
         model = served.versions.get(version)
         if model is None:
             raise NotFound(

@@ -142,15 +142,19 @@ def test_64_bit_integers_may_be_decimal_strings(tmp_path: Path) -> None:
     assert _config(tmp_path, {"max_batch_size": "8", "batching": {"max_batch_size": 4}}).batching.max_batch_size == 4
 
 
-def test_triton_fields_qkv_does_not_read_are_left_aside_and_logged(
+def test_a_config_in_tritons_json_form_is_read_and_one_mixed_with_qkvs_logs_tritons_fields(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    c = _config(tmp_path, {
+    triton = {
         "name": "m", "platform": "onnxruntime_onnx", "max_batch_size": "4",
         "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": ["3"]}],
         "instance_group": [{"count": "1", "kind": "KIND_CPU"}],
-    })  # fmt: skip
-    assert c.batching.max_batch_size == 4
+    }  # fmt: skip
+    c = _config(tmp_path, triton)
+    assert c.batching.max_batch_size == 4 and c.instances == 1
+    assert c.inputs == ({"name": "x", "datatype": "FP32", "shape": [-1, 3]},)
+    c = _config(tmp_path, {**triton, "instances": 2})  # qkv's form: Triton's fields are not read, and it says so
+    assert c.inputs == () and c.instances == 2
     assert "['input', 'instance_group', 'platform'] are not read by qkv" in caplog.text
 
 
