@@ -31,10 +31,11 @@ from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
-from service.scheduling.batching import LONE, DynamicBatcher
+from service.scheduling.batching import LONE, DynamicBatcher, select_batch
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
+from service.scheduling.priorities import PriorityChooser
 from service.scheduling.tuning import CostModel, Tuning, lone_inline_tokens, lone_threshold, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
 from service.seq2seq.vocab import SPECIALS
@@ -265,6 +266,9 @@ class TensorModel:
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
+        self.priorities = config.priorities  # Triton's priority levels and queue policies, when configured
+        if self.priorities is not None:
+            self.batcher.select = PriorityChooser(self.priorities, select_batch)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
         self.tuning: Tuning | None = None  # what warm_up measured and chose
 
@@ -474,6 +478,8 @@ class TensorModel:
             deadline=deadline,
             trace=trace,
         )
+        if self.priorities is not None:
+            self.priorities.admit(item, params, self.batcher.queue)
         result: dict[str, np.ndarray] = await self.batcher.submit(item)
         self.stats.account_request(item)
         tokens = n * length

@@ -34,6 +34,7 @@ from service.repository.triton_config import (
     translate,
 )
 from service.scheduling.config import BatchingConfig
+from service.scheduling.priorities import Priorities
 from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
 __all__ = [
@@ -164,6 +165,7 @@ class ModelConfig:
     accelerators: tuple[str, ...] = ()  # onnxruntime providers tried first (optimization.execution_accelerators)
     session: dict[str, bool] = field(default_factory=dict)  # onnxruntime backend parameters: execution_mode, ...
     warmup: tuple[dict[str, Any], ...] = ()  # model_warmup's samples, in Triton's JSON form
+    priorities: Priorities | None = None  # dynamic_batching's priority levels and queue policies
 
 
 def _integer(value: Any) -> bool:

@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from service import protocol
 from service.scheduling.config import BatchingConfig
+from service.scheduling.priorities import parse_priorities
 
 __all__ = [
     "ORT_PARAMETERS",
@@ -316,9 +317,12 @@ class _Reader:
                 "dynamic_batching.preserve_ordering",
                 "each request has its own answer; a stream's answers are sent in the order of its requests",
             )
-        for key in ("priority_levels", "default_priority_level", "default_queue_policy", "priority_queue_policy"):
-            if key in d:
-                self.refuse(f"dynamic_batching.{key}", "request priorities and queue policies are not served yet")
+        try:
+            priorities = parse_priorities(d)
+        except ValueError as e:
+            raise TritonConfigError(f"{self.where}: {e}") from None
+        if priorities is not None:
+            self.extras["priorities"] = priorities
 
     def warmup(self) -> None:
         samples = self.t.get("model_warmup", [])

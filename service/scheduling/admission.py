@@ -38,6 +38,8 @@ class WorkItem:
     started: float | None = None  # when its computation began
     cancelled: bool = False  # the client went away
     trace: RequestTrace | None = None  # set when the request is sampled for tracing (service.observability.tracing)
+    level: int = 0  # its priority level (service/scheduling/priorities.py; 1 is the highest, 0: none)
+    delay_at: float | None = None  # a DELAY queue policy: from then on it waits behind every other request
 
     @property
     def tokens(self) -> int:
