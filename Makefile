@@ -7,7 +7,7 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check
 # project itself with --no-deps. `make lock` writes the locks from pyproject.toml: docs/design.md, "Dependencies".
 LOCKED := $(PIP) --require-hashes
 
-.PHONY: serve test test-loaded lint tools train export evaluate bench lock
+.PHONY: serve test test-loaded lint tools train export evaluate bench lock triton-examples
 
 serve: $(VENV)/.installed
 	$(BIN)/qkv serve
@@ -20,6 +20,11 @@ test: $(VENV)/.dev tools
 # The whole suite while stress-ng keeps every core busy: a test that depends on the machine's speed fails here.
 test-loaded:
 	tests/cpu_load.sh $(MAKE) test
+
+# Triton's example clients (tests/triton_examples/clients) against qkv serving Triton's example repository,
+# built from tests/triton_examples: passed / failed per client (docs/triton.md, "Triton's example programs").
+triton-examples: $(VENV)/.dev
+	$(BIN)/python -m tests.triton_examples.run
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy service export && $(BIN)/lint-imports --no-cache

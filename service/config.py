@@ -31,6 +31,9 @@ class ServerSettings:
     )
     metrics_host: str = _setting("", "address of the metrics port (default: --host)")
     metrics_port: int = _setting(8002, "Prometheus /metrics HTTP port (0: any free port; -1: off)")
+    server_name: str = _setting(
+        "qkv", "the server's name in ServerMetadata (Triton's health examples check for \"triton\")"
+    )
     device: str = _setting(
         "cpu", "execution provider: cpu, or cuda (falls back to cpu when absent)", choices=("cpu", "cuda")
     )

@@ -19,7 +19,7 @@ import grpc
 from grpc.aio import ServicerContext as Context
 
 from service import protocol
-from service.errors import InvalidArgument, ServingError
+from service.errors import InvalidArgument, ServingError, quote
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource
 from service.frontends.messages import (
@@ -100,6 +100,12 @@ class _Inputs(Sequence[InferInput]):
         self._refused = (
             f"{raw} raw_input_contents for {n} inputs{where}: give one per input" if raw and raw != n else ""
         )
+        typed = next((t.name for t in self._tensors if t.HasField("contents")), None) if raw else None
+        if typed is not None:  # Triton's words, which its clients match, before the counts
+            self._refused = (
+                f"contents field must not be specified when using raw_input_contents for {quote(typed)} for model "
+                f"{quote(message.model_name)}"
+            )
         self._built: dict[int, InferInput] = {}  # the data plane reads a tensor more than once
         self._all: list[InferInput] | None = None
 

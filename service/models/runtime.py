@@ -114,6 +114,16 @@ def _check_declared(
         )
 
 
+def _server_filled(config: ModelConfig) -> set[str]:
+    """The tensors of a stateful model that the sequence batcher fills and reads: controls and states."""
+    sequence = config.sequence_batching
+    if sequence is None:
+        return set()
+    return {c.input_name for c in sequence.controls} | {
+        name for state in sequence.states for name in (state.input_name, state.output_name)
+    }
+
+
 def _listing(specs: dict[str, tuple[str, list[int]]]) -> str:
     return ", ".join(f"{name} {datatype} {shape}" for name, (datatype, shape) in sorted(specs.items()))
 
@@ -165,8 +175,10 @@ class TensorRuntime:
         # One more session, for a batch that runs alone on an idle server: every core on one request.
         self.lone = _session(path, replace(config, intra_op_threads=threads), providers, lone=True) if threads else None
         graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())
-        _check_declared(config, "inputs", config.inputs, graph_inputs, path)
-        _check_declared(config, "outputs", config.outputs, graph_outputs, path)
+        # a stateful model's control and state tensors are the server's: a config declares the others
+        filled = _server_filled(config)
+        _check_declared(config, "inputs", config.inputs, [s for s in graph_inputs if s.name not in filled], path)
+        _check_declared(config, "outputs", config.outputs, [s for s in graph_outputs if s.name not in filled], path)
         self.inputs = _client_specs(graph_inputs, config.inputs)
         self.outputs = _client_specs(graph_outputs, config.outputs)
         # name -> (the graph's shape, the client's) of each reshaped tensor

@@ -123,7 +123,7 @@ class DataPlane:
         return not self.draining
 
     def server_info(self) -> ServerInfo:
-        return ServerInfo(SERVER_NAME, __version__, EXTENSIONS)
+        return ServerInfo(self.settings.server_name, __version__, EXTENSIONS)
 
     def model(self, name: str, version: str = "") -> ServedVersion:
         """The version asked for, or the newest ready one; NotFound or Unavailable saying why not."""
