@@ -42,6 +42,7 @@ __all__ = [
     "RepositoryError",
     "VersionPolicy",
     "as_integer",
+    "config_fingerprint",
     "dependencies",
     "fingerprint",
     "load_model",
@@ -613,6 +614,17 @@ def fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
             continue
         out.append((str(f.relative_to(path.parent)), st.st_mtime_ns, st.st_size))
     return tuple(out)
+
+
+def config_fingerprint(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    """What changes when a model's configuration changes: its files outside the numbered version directories
+    (config.json or config.pbtxt, a labels file, warmup/ and initial_state/ data)."""
+    return tuple(
+        entry
+        for path in sorted(model_dir.iterdir())
+        if not (path.is_dir() and path.name.isdigit())
+        for entry in fingerprint(path)
+    )
 
 
 def load_repository(root: Path) -> list[ModelConfig]:

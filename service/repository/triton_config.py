@@ -328,9 +328,12 @@ class _Reader:
         samples = self.t.get("model_warmup", [])
         if len(samples) > MAX_WARMUP_SAMPLES:
             self.refuse("model_warmup", f"{len(samples)} samples, the limit is {MAX_WARMUP_SAMPLES}")
-        if samples:
+        if not samples:
+            return
+        if "sequence_batching" in self.t or self.t.get("platform") == "ensemble":
+            self.leave("model_warmup", "run for a stateless tensor model; this one is warmed up from its graph")
+        else:
             self.extras["warmup"] = tuple(samples)
-            self.leave("model_warmup", "qkv warms each model up from its graph before it reports ready")
 
     def read(self) -> None:
         t = self.t

@@ -38,10 +38,12 @@ from service.errors import InvalidArgument, NotFound, ServingError, Unavailable,
 from service.models.catalog import BATCHING_SHOWN, Context, ServedVersion, Steps, build
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
+from service.models.warmup import warm_up_with_samples
 from service.observability.metrics import Metrics
 from service.repository.layout import (
     ModelConfig,
     RepositoryError,
+    config_fingerprint,
     dependencies,
     fingerprint,
     load_model,
@@ -307,7 +309,7 @@ class ModelRegistry:
             if self.started:  # a failure at start is the start's error, said once
                 log.warning("model '%s': load failed: %s", name, e)
             raise LoadFailed(name, served.reason, str(e)) from None
-        config_print = fingerprint(served.directory / "config.json") if raw is None else raw
+        config_print = config_fingerprint(served.directory) if raw is None else raw
         keep: dict[str, Model] = {}
         build: list[ModelConfig] = []
         prints = {}
@@ -423,6 +425,7 @@ class ModelRegistry:
         model = build(config, Context(self.providers, observer, self.cache, self.steps))
         try:
             model.warm_up()
+            warm_up_with_samples(model, config.warmup, config.directory.parent)  # a Triton config's model_warmup
         except BaseException:
             model.release()
             raise
