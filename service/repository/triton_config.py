@@ -335,6 +335,23 @@ class _Reader:
         else:
             self.extras["warmup"] = tuple(samples)
 
+    def sequence(self) -> None:
+        """What the sequence batcher reads and checks but does not use: said, not dropped in silence."""
+        s = self.t.get("sequence_batching", {})
+        for key, why in (
+            ("oldest.max_candidate_sequences", "qkv batches any ready sequences, not a fixed set of candidates"),
+            ("oldest.preferred_batch_size", "qkv batches what is ready, up to max_batch_size"),
+            ("oldest.preserve_ordering", "each request has its own answer, a stream's in its order"),
+            ("direct.minimum_slot_utilization", "qkv runs a batch as soon as an instance is free"),
+        ):
+            section, setting = key.split(".")
+            if setting in s.get(section, {}):
+                self.leave(f"sequence_batching.{key}", why)
+        for i, state in enumerate(s.get("state", [])):
+            for flag in ("use_same_buffer_for_input_output", "use_growable_memory"):
+                if state.get(flag):
+                    self.leave(f"sequence_batching.state[{i}].{flag}", "a GPU buffer placement; answers are the same")
+
     def read(self) -> None:
         t = self.t
         kind = self.platform()
@@ -368,6 +385,7 @@ class _Reader:
             if key in t:
                 self.leave(key, why)
         self.instances()
+        self.sequence()
         self.optimization()
         self.dynamic_batching()
         self.warmup()

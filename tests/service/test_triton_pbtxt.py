@@ -273,3 +273,20 @@ def test_version_strings_are_refused_in_tritons_words(server: RunningServer) -> 
         client.get_model_metadata("simple", model_version="-2")
     with pytest.raises(InferenceServerException, match="Request for unknown model: 'simple' version '7' is not found"):
         client.get_model_metadata("simple", model_version="7")
+
+
+def test_sequence_settings_qkv_reads_but_does_not_use_are_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        "max_batch_size: 4\n"
+        "sequence_batching { oldest { max_candidate_sequences: 4 preferred_batch_size: [ 2 ] }\n"
+        '  state [ { input_name: "S_IN" output_name: "S_OUT" data_type: TYPE_INT32 dims: [ 1 ]\n'
+        "            use_growable_memory: true } ] }\n"
+    )
+    with caplog.at_level(logging.WARNING, "qkv.repository"):
+        config = load_model_config(tmp_path / "m")
+    assert config.sequence_batching is not None and config.sequence_batching.strategy == "oldest"
+    for name in ("oldest.max_candidate_sequences", "oldest.preferred_batch_size", "state[0].use_growable_memory"):
+        assert f"sequence_batching.{name}" in caplog.text
