@@ -31,10 +31,11 @@ from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
-from service.scheduling.batching import LONE, DynamicBatcher, select_batch
+from service.scheduling.batching import LONE, DynamicBatcher
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
+from service.scheduling.preferred import PreferredSizes
 from service.scheduling.priorities import PriorityChooser
 from service.scheduling.tuning import CostModel, Tuning, lone_inline_tokens, lone_threshold, sweep, tune
 from service.seq2seq.generation import Hypothesis, greedy_decode
@@ -267,8 +268,10 @@ class TensorModel:
         lone = runtime.lone is not None  # a batch running alone may use every core
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
         self.priorities = config.priorities  # Triton's priority levels and queue policies, when configured
+        if config.preferred_batch_sizes:  # Triton's dynamic_batching.preferred_batch_size
+            self.batcher.select = PreferredSizes(config.preferred_batch_sizes, self.batcher.select)
         if self.priorities is not None:
-            self.batcher.select = PriorityChooser(self.priorities, select_batch)
+            self.batcher.select = PriorityChooser(self.priorities, self.batcher.select)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
         self.tuning: Tuning | None = None  # what warm_up measured and chose
 

@@ -167,6 +167,7 @@ class ModelConfig:
     session: dict[str, bool] = field(default_factory=dict)  # onnxruntime backend parameters: execution_mode, ...
     warmup: tuple[dict[str, Any], ...] = ()  # model_warmup's samples, in Triton's JSON form
     priorities: Priorities | None = None  # dynamic_batching's priority levels and queue policies
+    preferred_batch_sizes: tuple[int, ...] = ()  # dynamic_batching.preferred_batch_size: batches cut to them
 
 
 def _integer(value: Any) -> bool:

@@ -307,11 +307,13 @@ class _Reader:
         batching = self.raw.setdefault("batching", {})
         if "max_queue_delay_microseconds" in d:
             batching["max_queue_delay_ms"] = int(d["max_queue_delay_microseconds"]) / 1000
-        if "preferred_batch_size" in d:
-            self.leave(
-                "dynamic_batching.preferred_batch_size",
-                "qkv sizes each batch by what is queued, up to max_batch_size and its token budget",
-            )
+        sizes = [int(n) for n in d.get("preferred_batch_size", [])]
+        largest = int(self.t.get("max_batch_size", 0)) or max(sizes, default=1)  # not given: the graph decides
+        wrong = [n for n in sizes if not 1 <= n <= largest]
+        if wrong:
+            self.refuse("dynamic_batching.preferred_batch_size", f"{wrong[0]} is not within 1..max_batch_size")
+        if sizes:
+            self.extras["preferred_batch_sizes"] = tuple(sorted(set(sizes)))
         if d.get("preserve_ordering"):
             self.leave(
                 "dynamic_batching.preserve_ordering",

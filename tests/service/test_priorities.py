@@ -15,6 +15,7 @@ from service.errors import InvalidArgument, ResourceExhausted
 from service.repository.layout import RepositoryError, load_model_config
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import select_batch
+from service.scheduling.preferred import PreferredSizes
 from service.scheduling.priorities import Priorities, PriorityChooser, QueuePolicy, parse_priorities
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.service.test_triton_pbtxt import SIMPLE_PBTXT, _simple
@@ -138,3 +139,24 @@ def test_a_server_takes_the_priority_parameter_and_refuses_one_outside_the_level
         2,
         64,
     )
+
+
+def test_preferred_batch_sizes_cut_a_batch_to_the_largest_it_fills() -> None:
+    chooser = PreferredSizes((4, 2), select_batch)
+    queue = [_item(0, float(t)) for t in range(7)]
+    assert chooser(queue, 8, 1 << 20, False, 1.0) == [0, 1, 2, 3]  # 7 queued: 4 go, 3 wait
+    assert chooser(queue[:3], 8, 1 << 20, False, 1.0) == [0, 1]  # 3: 2 go
+    assert chooser(queue[:1], 8, 1 << 20, False, 1.0) == [0]  # fewer than any: as they are
+    # composed under priorities: the level's requests, cut to a preferred size
+    both = PriorityChooser(Priorities(levels=2, default_level=2), chooser, clock=lambda: 0.0)
+    mixed = [_item(2, 0.0), *(_item(1, float(t)) for t in range(5))]
+    assert both(mixed, 8, 1 << 20, False, 1.0) == [1, 2, 3, 4]
+
+
+def test_preferred_batch_sizes_are_read_and_checked(tmp_path: Path) -> None:
+    pbtxt = SIMPLE_PBTXT.replace("max_queue_delay_microseconds: 500", "preferred_batch_size: [ 4, 2 ]")
+    _simple(tmp_path / "a", pbtxt)
+    assert load_model_config(tmp_path / "a").preferred_batch_sizes == (2, 4)
+    _simple(tmp_path / "b", pbtxt.replace("[ 4, 2 ]", "[ 16 ]"))
+    with pytest.raises(RepositoryError, match=r"preferred_batch_size: 16 is not within 1..max_batch_size"):
+        load_model_config(tmp_path / "b")
