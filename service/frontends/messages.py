@@ -47,6 +47,7 @@ def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, A
         i.format = protocol.ModelInput.Format.Value(declared["format"])
     if "reshape" in declared:
         i.reshape.shape[:] = _triton_dims(declared["reshape"], batched)
+    i.optional = bool(declared.get("optional", False))
     return i
 
 

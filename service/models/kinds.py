@@ -125,13 +125,19 @@ class ModelStats:
             return replace(self, batches={k: list(v) for k, v in self.batches.items()}, _lock=threading.Lock())
 
 
-def checked_feeds(specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
+def checked_feeds(
+    specs: list[TensorSpec], inputs: dict[str, np.ndarray], model: str, optional: frozenset[str] = frozenset()
+) -> dict[str, np.ndarray]:
+    """`inputs` checked against the model's `specs`; an `optional` one (Triton's `optional: true`) may be
+    left out, and the graph then runs without it."""
     known = {s.name for s in specs}
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise InvalidArgument(f"model '{model}' has no input {quote(unknown[0])} (inputs: {', '.join(sorted(known))})")
     for s in specs:
         if s.name not in inputs:
+            if s.name in optional:
+                continue
             raise InvalidArgument(f"model '{model}': missing input '{s.name}'")
         a = inputs[s.name]
         if datatype_of(a) != s.datatype:
@@ -267,6 +273,7 @@ class TensorModel:
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
+        self.optional = frozenset(d["name"] for d in config.inputs if d.get("optional"))  # Triton's `optional`
         self.priorities = config.priorities  # Triton's priority levels and queue policies, when configured
         if config.preferred_batch_sizes:  # Triton's dynamic_batching.preferred_batch_size
             self.batcher.select = PreferredSizes(config.preferred_batch_sizes, self.batcher.select)
@@ -395,7 +402,11 @@ class TensorModel:
         throughput are in rows, and an image is one token, not its 150,528 elements (docs/configuration.md)."""
         if self.sequence_axis is None:
             return 1
-        lengths = {feeds[s.name].shape[self.sequence_axis] for s in self.inputs if self._on_sequence_axis(s)}
+        lengths = {
+            feeds[s.name].shape[self.sequence_axis]
+            for s in self.inputs
+            if s.name in feeds and self._on_sequence_axis(s)
+        }
         if len(lengths) > 1:
             raise InvalidArgument(
                 f"inputs disagree on the sequence length (axis {self.sequence_axis}): {sorted(lengths)}"
@@ -418,6 +429,8 @@ class TensorModel:
         """Requests batch together when all their dims but batch (and sequence) agree."""
         key = []
         for s in self.inputs:
+            if s.name not in feeds:  # an optional input left out: batched with requests that left it out too
+                continue
             dims = list(feeds[s.name].shape[1:])
             if self.sequence_axis is not None and self._on_sequence_axis(s):
                 dims[self.sequence_axis - 1] = -1
@@ -430,6 +443,8 @@ class TensorModel:
         for s in self.inputs:
             # An empty tensor (a 0 in a dimension of the model's own) is served, as onnxruntime and Triton serve
             # it; an empty sequence is not: a sequence model (attention over no position) has no answer for it.
+            if s.name not in feeds:
+                continue
             empty = feeds[s.name]
             if empty.size == 0 and self._on_sequence_axis(s) and empty.shape[self.sequence_axis] == 0:  # type: ignore[index]
                 raise InvalidArgument(f"input '{s.name}': shape {list(empty.shape)} has no elements: nothing to infer")
@@ -456,7 +471,9 @@ class TensorModel:
         deadline: float | None,
         trace: RequestTrace | None = None,
     ) -> Result:
-        feeds = checked_feeds(self.inputs, inputs, self.name)
+        feeds = checked_feeds(self.inputs, inputs, self.name, self.optional)
+        if not feeds:
+            raise InvalidArgument(f"model '{self.name}': the request gives none of its inputs")
         names = [o.name for o in self.outputs]
         check_outputs(names, outputs, self.name)
         rows = {a.shape[0] for a in feeds.values()} if self.batchable else {1}
@@ -471,6 +488,7 @@ class TensorModel:
         feeds = {
             s.name: _as_strings(feeds[s.name], s.name, self.name) if s.datatype == "BYTES" else feeds[s.name]
             for s in self.inputs
+            if s.name in feeds
         }
         loop = asyncio.get_running_loop()
         item = WorkItem(
@@ -507,6 +525,8 @@ class TensorModel:
         longest = max(x.length for x in items)
         feeds = {}
         for s in self.inputs:
+            if s.name not in items[0].payload[0]:  # an optional input the group's requests left out
+                continue
             axis = self.sequence_axis if self._on_sequence_axis(s) else None
             feeds[s.name] = _stack([x.payload[0][s.name] for x in items], axis, longest)
         wanted = sorted({o for x in items for o in x.payload[1]}, key=[o.name for o in self.outputs].index)

@@ -114,6 +114,17 @@ def _check_declared(
         )
 
 
+def _optional_inputs(config: ModelConfig, session: ort.InferenceSession) -> list[TensorSpec]:
+    """The inputs a config declares `optional` that the graph gives a default (an initializer it lets a run
+    override, which onnxruntime does not list among its inputs): as the config declares them."""
+    defaults = {a.name for a in session.get_overridable_initializers()}
+    return [
+        TensorSpec(d["name"], d["datatype"], tuple(d.get("reshape", d["shape"])), (None,) * len(d["shape"]))
+        for d in config.inputs
+        if d.get("optional") and d["name"] in defaults
+    ]
+
+
 def _server_filled(config: ModelConfig) -> set[str]:
     """The tensors of a stateful model that the sequence batcher fills and reads: controls and states."""
     sequence = config.sequence_batching
@@ -175,6 +186,7 @@ class TensorRuntime:
         # One more session, for a batch that runs alone on an idle server: every core on one request.
         self.lone = _session(path, replace(config, intra_op_threads=threads), providers, lone=True) if threads else None
         graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())
+        graph_inputs += _optional_inputs(config, self.sessions[0])
         # a stateful model's control and state tensors are the server's: a config declares the others
         filled = _server_filled(config)
         _check_declared(config, "inputs", config.inputs, [s for s in graph_inputs if s.name not in filled], path)

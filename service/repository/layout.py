@@ -265,7 +265,7 @@ ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, wh
 _DECLARATION_KEYS = ("name", "datatype", "shape")
 # Triton's optional fields of a declaration: an input's image layout, a shape the graph sees instead of the
 # client's, and an output's class labels (one a line, in the model's directory) for classification.
-_OPTIONAL_KEYS = {"inputs": ("format", "reshape"), "outputs": ("reshape", "label_filename")}
+_OPTIONAL_KEYS = {"inputs": ("format", "reshape", "optional"), "outputs": ("reshape", "label_filename")}
 FORMATS = ("FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC")
 MAX_LABELS_BYTES = 16 << 20  # a labels file is read whole at load
 
@@ -559,6 +559,8 @@ def _tensor_declarations(raw: Any, section: str, where: str, model_dir: Path) ->
             if not isinstance(reshape, dict) or set(reshape) != {"shape"}:
                 raise RepositoryError(f'{where}: {at}.reshape must be {{"shape": [...]}}, got {_shown(reshape)}')
             declared["reshape"] = _dims(reshape["shape"], f"{at}.reshape.shape", where)
+        if "optional" in d:
+            declared["optional"] = _typed_value("bool", d["optional"], f"{at}.optional", where)
         if "label_filename" in d:
             file = _typed_value("str", d["label_filename"], f"{at}.label_filename", where)
             path = (model_dir / file).resolve()

@@ -209,7 +209,7 @@ class _Reader:
         if "label_filename" in d:
             out["label_filename"] = d["label_filename"]
         if d.get("optional"):
-            self.refuse(f"{at}.optional", "qkv needs every input of the graph in each request")
+            out["optional"] = True
         if d.get("allow_ragged_batch"):
             self.leave(
                 f"{at}.allow_ragged_batch",

@@ -9,9 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as g
+from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from service.models.runtime import TensorRuntime
@@ -48,6 +50,25 @@ ensemble_scheduling {
 """
 
 
+def _optional_model(directory: Path) -> None:
+    """Y = X + B, X and B FP32 [batch, 2]; B optional: the graph's initializer [10, 20] when left out."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 2])
+    b = helper.make_tensor_value_info("B", TensorProto.FLOAT, ["batch", 2])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 2])
+    default = helper.make_tensor("B", TensorProto.FLOAT, [1, 2], [10.0, 20.0])
+    graph = helper.make_graph([helper.make_node("Add", ["X", "B"], ["Y"])], "opt", [x, b], [y], [default])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (directory / "1").mkdir(parents=True)
+    onnx.save(model, str(directory / "1" / "model.onnx"))
+    (directory / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx" max_batch_size: 4 dynamic_batching { }\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] },\n'
+        '        { name: "B" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+    )
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("triton_fields")
@@ -57,6 +78,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "simple" / "2" / "model.onnx").write_bytes((root / "simple" / "1" / "model.onnx").read_bytes())
     (root / "simple" / "warmup").mkdir()
     (root / "simple" / "warmup" / "ones").write_bytes(struct.pack("<16i", *([1] * 16)))
+    _optional_model(root / "opt")
     (root / "twice" / "1").mkdir(parents=True)
     (root / "twice" / "config.pbtxt").write_text(ENSEMBLE)
     return root
@@ -152,3 +174,16 @@ def test_onnxruntime_backend_parameters_and_instance_count_reach_the_sessions(tm
 def test_a_model_with_no_config_at_all_still_loads(tmp_path: Path) -> None:
     _simple_graph(tmp_path / "bare")
     assert load_model_config(tmp_path / "bare").triton is None
+
+
+def test_an_optional_input_may_be_left_out(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    x = np.array([[1, 2]], np.float32)
+    given = [g.InferInput("X", [1, 2], "FP32"), g.InferInput("B", [1, 2], "FP32")]
+    given[0].set_data_from_numpy(x)
+    given[1].set_data_from_numpy(x)
+    assert client.infer("opt", given).as_numpy("Y").tolist() == [[2, 4]]
+    assert client.infer("opt", given[:1]).as_numpy("Y").tolist() == [[11, 22]]  # the graph's default
+    assert client.get_model_config("opt").config.input[1].optional
+    with pytest.raises(InferenceServerException, match="missing input 'X'"):
+        client.infer("opt", given[1:])
