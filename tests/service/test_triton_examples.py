@@ -28,3 +28,13 @@ def test_tritons_example_clients_pass_against_tritons_example_repository(
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert f"{len(SUBSET)} of {len(SUBSET)} clients passed" in printed, printed
+
+
+def test_the_same_clients_pass_with_the_configs_in_tritons_json_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    subset = ["simple_grpc_infer_client", "grpc_client", "simple_grpc_sequence_sync_infer_client -d"]
+    code = main(["--out", str(tmp_path), "--form", "json", "--only", *subset])
+    printed = capsys.readouterr().out
+    assert code == 0 and f"{len(subset)} of {len(subset)} clients passed" in printed, printed
+    assert not list(tmp_path.glob("repository/*/config.pbtxt")) and list(tmp_path.glob("repository/*/config.json"))

@@ -16,6 +16,7 @@ accumulator whose state the sequence batcher keeps.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -124,12 +125,31 @@ def _image(path: Path) -> None:
     Image.fromarray(pixels, "RGB").save(path)
 
 
-def build(out: Path) -> Path:
-    """OUT/repository (configs copied, graphs built) and OUT/mug.png; returns the repository."""
+def as_triton_json(repository: Path) -> None:
+    """Each model's config.pbtxt rewritten as config.json in Triton's JSON form (as Triton's HTTP config
+    endpoint writes it: protobuf's JSON of the ModelConfig, Triton's field names)."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    for pbtxt in sorted(repository.glob("*/config.pbtxt")):
+        message = model_config_pb2.ModelConfig()
+        text_format.Parse(pbtxt.read_text(), message)
+        raw = json_format.MessageToDict(message, preserving_proto_field_name=True)
+        if "max_batch_size" in pbtxt.read_text() and not message.max_batch_size:
+            raw["max_batch_size"] = 0  # said in the file: proto3 drops a zero
+        (pbtxt.parent / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        pbtxt.unlink()
+
+
+def build(out: Path, form: str = "pbtxt") -> Path:
+    """OUT/repository (configs copied, graphs built) and OUT/mug.png; returns the repository. `form`
+    "json": the configs as config.json in Triton's JSON form instead."""
     repository = out / "repository"
     if repository.exists():
         shutil.rmtree(repository)
     shutil.copytree(REPOSITORY, repository)
+    if form == "json":
+        as_triton_json(repository)
     _sum_and_difference(repository, "simple", I32)
     _sum_and_difference(repository, "simple_int8", I8)
     _sum_and_difference(repository, "simple_string", STR)

@@ -1,6 +1,6 @@
 """Triton's example clients against qkv serving Triton's example repository: `make triton-examples`.
 
-    .venv/bin/python -m tests.triton_examples.run [--out DIR] [--only NAME ...]
+    .venv/bin/python -m tests.triton_examples.run [--out DIR] [--only NAME ...] [--form json]
 
 Builds the repository (tests/triton_examples/build.py), starts `qkv serve` on it on loopback, runs each of
 Triton's Python example clients (vendored unchanged in tests/triton_examples/clients, from Triton's client
@@ -139,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="where the repository is built (default: a temporary dir)"
     )
     parser.add_argument("--only", nargs="*", default=None, help="run only these clients (names as printed)")
+    parser.add_argument(
+        "--form", choices=("pbtxt", "json"), default="pbtxt", help="the configs as config.pbtxt, or Triton's JSON form"
+    )
     flags = parser.parse_args(argv)
     out = flags.out or Path(tempfile.mkdtemp(prefix="qkv-triton-examples-"))
-    repository = build(out)
+    repository = build(out, flags.form)
     runs = [c for c in RUNS if flags.only is None or c.name in flags.only]
     results: list[tuple[Client, str]] = []
     servers = {
