@@ -226,6 +226,7 @@ class G2PRuntime:
         self.config = config
         try:
             options = session_options(config.intra_op_threads, config.inter_op_threads, config.optimization)
+            providers = triton_providers(config, options, providers)  # a Triton config's, when it has them
             self.instances = [
                 OnnxSeq2Seq(d, options, providers, config.precision) for _ in range(max(1, config.instances))
             ]
