@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from service.config import ServerSettings
 
-__all__ = ["DEFAULT_URL", "UsageError", "in_range", "main", "readable_file", "rpc_problem", "server_url"]
+__all__ = ["UsageError", "in_range", "main", "readable_file", "rpc_problem"]
 
 
 class UsageError(Exception):
@@ -94,15 +94,9 @@ def _check_settings(s: ServerSettings) -> None:
         raise UsageError(f"model repository is not a directory: {s.model_repository}")
 
 
-DEFAULT_URL = "127.0.0.1:8001"
-
-
-def server_url() -> str:
-    """The server the client tools call when --url is not given: $QKV_URL, else the local default."""
-    return os.environ.get("QKV_URL") or DEFAULT_URL
-
-
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
+    from service.config import DEFAULT_URL, server_url
+
     parser.add_argument("--url", default=server_url(), help=f"server HOST:PORT (default: $QKV_URL, else {DEFAULT_URL})")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
     parser.add_argument("--token", help="bearer token (or QKV_TOKEN)")

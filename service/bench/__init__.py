@@ -37,7 +37,8 @@ from service.bench.load import by_length, run_closed, run_open
 from service.bench.report import targets_table
 from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
 from service.bench.servers import padding_share, scrape, variant
-from service.cli import DEFAULT_URL, UsageError, in_range, readable_file, server_url
+from service.cli import UsageError, in_range, readable_file
+from service.config import DEFAULT_URL, server_url
 from service.seq2seq.graphs import session_options
 
 # The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
