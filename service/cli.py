@@ -13,12 +13,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from service.config import ServerSettings
 
-__all__ = ["UsageError", "in_range", "main", "readable_file"]
+__all__ = ["UsageError", "in_range", "main", "readable_file", "rpc_problem"]
 
 
 class UsageError(Exception):
@@ -59,9 +59,9 @@ COMMANDS = {
     "evaluate": "WER/PER of a checkpoint or an exported model on the test split",
     "export": "checkpoint -> ONNX graphs + model repository entry, with parity check",
     "serve": "the gRPC server",
-    "infer": "call a server: qkv infer --model g2p attention transformer",
-    "attention": "render a word's cross-attention map to PNG through the server",
-    "bench": "load test against a server; JSON + PNG plots",
+    "infer": "call a server: words (g2p) or tensors from JSON and .npy (any model)",
+    "attention": "every word's cross-attention map through the server: a table, or a PNG",
+    "bench": "load test against a server (any model); the suite adds the ceilings and plots",
     "health": "grpc.health.v1 check, exit 0 when SERVING",
 }
 
@@ -95,37 +95,64 @@ def _check_settings(s: ServerSettings) -> None:
 
 
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="127.0.0.1:8001", help="server HOST:PORT")
+    from service.config import DEFAULT_URL, server_url
+
+    parser.add_argument("--url", default=server_url(), help=f"server HOST:PORT (default: $QKV_URL, else {DEFAULT_URL})")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
     parser.add_argument("--token", help="bearer token (or QKV_TOKEN)")
     parser.add_argument("--tls-ca", type=Path, help="PEM CA to verify the server (enables TLS)")
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    import os
-
     import grpc
 
     from service.client import Client
 
     creds = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
-    return Client(args.url, args.timeout, args.token or os.environ.get("QKV_TOKEN"), creds)
+    # A tool fails at once where nothing listens, naming the address, rather than retrying to its deadline.
+    return Client(args.url, args.timeout, args.token or os.environ.get("QKV_TOKEN"), creds, wait_for_server=False)
+
+
+def rpc_problem(error: Any, url: str) -> str:
+    """A failed call as the tools say it: the status and why, the address named where none was reached."""
+    from service.client import unreachable
+
+    return f"{error.code().name}: {unreachable(error, url) or error.details()}"
 
 
 def _infer(argv: list[str]) -> int:
-    import grpc
-
-    from service.client import g2p_outputs, g2p_request, new_traceparent, trace_id
-
-    parser = argparse.ArgumentParser(prog="qkv infer", description="Words in, phonemes out.")
-    parser.add_argument("words", nargs="+", help="each argument is one TEXT element")
+    parser = argparse.ArgumentParser(
+        prog="qkv infer",
+        description="Call a model: words in, phonemes out (g2p), or tensors in and out for any model.",
+        epilog="--input NAME=VALUE: VALUE is a .npy file, @FILE of JSON, or JSON (nested lists); each is checked "
+        "against the model's metadata (datatype, shape) before it is sent.",
+    )
+    parser.add_argument("words", nargs="*", help="each argument is one TEXT element (g2p)")
     parser.add_argument("--model", default="g2p")
     parser.add_argument("--model-version", default="", help="a version of the model (default: the newest served)")
+    parser.add_argument("--input", action="append", default=[], metavar="NAME=VALUE", help="a tensor (any model)")
+    parser.add_argument("--datatype", action="append", default=[], metavar="NAME=TYPE",
+                        help="an input's v2 datatype (INT64, FP32, BYTES, ...); default: the model's")  # fmt: skip
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2",
+                        help="an input's shape; default: its value's")  # fmt: skip
+    parser.add_argument("--output", action="append", default=[], metavar="NAME", help="outputs to ask for (all)")
     parser.add_argument("--beam-size", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--traceparent", help="W3C trace context to continue (default: a new trace)")
     _client_arguments(parser)
     args = parser.parse_args(argv)
+    if args.words and args.input:
+        raise UsageError("give words (TEXT, for g2p) or --input NAME=VALUE tensors (any model), not both")
+    if not args.words and not args.input:
+        raise UsageError("nothing to send: give words (g2p) or --input NAME=VALUE tensors")
+    return _infer_tensors(args) if args.input else _infer_words(args)
+
+
+def _infer_words(args: argparse.Namespace) -> int:
+    import grpc
+
+    from service.client import g2p_outputs, g2p_request, new_traceparent, trace_id
+
     traceparent = args.traceparent or new_traceparent()
     # On stderr, so the output stays the phonemes: the id to find the call by in a tracing backend.
     print(f"trace {trace_id(traceparent)}", file=sys.stderr)
@@ -135,7 +162,7 @@ def _infer(argv: list[str]) -> int:
             response = client.infer(request, traceparent=traceparent)
             out = g2p_outputs(response)
     except grpc.RpcError as e:
-        print(f"qkv infer: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"qkv infer: {rpc_problem(e, args.url)}", file=sys.stderr)
         return 1
     if args.json:
         pairs = zip(args.words, out["PHONEMES"], strict=True)
@@ -146,10 +173,42 @@ def _infer(argv: list[str]) -> int:
     return 0
 
 
+def _infer_tensors(args: argparse.Namespace) -> int:
+    """`--input` tensors checked against the model's metadata, sent, and every output printed."""
+    import grpc
+
+    from service import protocol, tensor_io
+    from service.client import new_traceparent, trace_id
+
+    try:
+        given = tensor_io.given_inputs(args.input, args.datatype, args.shape)
+    except tensor_io.TensorError as e:
+        raise UsageError(str(e)) from None
+    traceparent = args.traceparent or new_traceparent()
+    print(f"trace {trace_id(traceparent)}", file=sys.stderr)
+    try:
+        with _client(args) as client:
+            asked = protocol.ModelMetadataRequest(name=args.model, version=args.model_version)
+            metadata = client.call("ModelMetadata", asked)
+            try:
+                inputs = tensor_io.checked(given, metadata)
+            except tensor_io.TensorError as e:
+                raise UsageError(str(e)) from None
+            request = tensor_io.request(args.model, args.model_version, inputs, args.output)
+            if args.beam_size != 1:
+                request.parameters["beam_size"].int64_param = args.beam_size
+            response = client.infer(request, traceparent=traceparent)
+    except grpc.RpcError as e:
+        print(f"qkv infer: {rpc_problem(e, args.url)}", file=sys.stderr)
+        return 1
+    print(tensor_io.outputs_json(response) if args.json else tensor_io.outputs_text(response))
+    return 0
+
+
 def _health(argv: list[str]) -> int:
     import grpc
 
-    from service.client import health_check
+    from service.client import health_check, unreachable
 
     parser = argparse.ArgumentParser(prog="qkv health", description="Exit 0 when the server (or --service) SERVES.")
     parser.add_argument("--service", default="", help="a model name, or '' for the whole server")
@@ -162,7 +221,7 @@ def _health(argv: list[str]) -> int:
         # grpc.health answers an unknown service NOT_FOUND with no details: say which.
         unknown = e.code() == grpc.StatusCode.NOT_FOUND and not e.details()
         why = f"the server has no service '{args.service}'" if unknown else e.details()
-        print(f"qkv health: {e.code().name}: {why}", file=sys.stderr)
+        print(f"qkv health: {e.code().name}: {unreachable(e, args.url) or why}", file=sys.stderr)
         return 1
     print(status)
     return 0 if status == "SERVING" else 1

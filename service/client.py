@@ -5,7 +5,9 @@
         print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
 
 Calls retry on UNAVAILABLE (a restarting or draining server) with exponential backoff, and on
-RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's deadline. An inference
+RESOURCE_EXHAUSTED after the server's retry-pushback hint, within the call's deadline. A client made with
+`wait_for_server=False` (the command-line tools) fails at once where nothing listens at the address, or
+its name does not resolve: `unreachable` says so, naming the address. An inference
 call carries a W3C trace context: the `traceparent` given, or the caller's current OpenTelemetry
 span when the caller traces; a server that traces continues that trace.
 """
@@ -36,18 +38,36 @@ __all__ = [
     "new_traceparent",
     "trace_id",
     "trace_metadata",
+    "unreachable",
 ]
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 PUSHBACK = "grpc-retry-pushback-ms"
 
 
-def _pause(error: grpc.RpcError, attempt: int) -> float | None:
+# What gRPC's details say when no server could be reached at all: nothing listens there, or no such host.
+UNREACHABLE = ("connection refused", "dns resolution failed", "name or service not known")
+
+
+def unreachable(error: grpc.RpcError, target: str) -> str | None:
+    """`error` as one line naming `target` when the call reached no server at all (a refused connection,
+    a name that does not resolve), else None."""
+    details = (error.details() or "").lower()
+    if error.code() != grpc.StatusCode.UNAVAILABLE or not any(why in details for why in UNREACHABLE):
+        return None
+    why = next(w for w in UNREACHABLE if w in details)
+    return f"cannot reach a server at {target}: {why}"
+
+
+def _pause(error: grpc.RpcError, attempt: int, wait_for_server: bool = True) -> float | None:
     """Seconds to wait before retrying `error`, or None when it is not retryable.
 
-    UNAVAILABLE (restarting, draining) backs off exponentially; RESOURCE_EXHAUSTED is retried only
-    when the server said how long to wait (grpc-retry-pushback-ms).
+    UNAVAILABLE (restarting, draining) backs off exponentially, but a refused connection only when
+    `wait_for_server`; RESOURCE_EXHAUSTED is retried only when the server said how long to wait
+    (grpc-retry-pushback-ms).
     """
+    if not wait_for_server and unreachable(error, "") is not None:
+        return None
     if error.code() in RETRYABLE:
         return _backoff(attempt)
     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -132,7 +152,8 @@ def _backoff(attempt: int) -> float:
 class Client:
     """Blocking client. `timeout` is each call's deadline in seconds, retries included.
     `load_balancing="round_robin"` spreads calls over every address the target resolves to
-    (gRPC's default, pick_first, sends them all to one)."""
+    (gRPC's default, pick_first, sends them all to one). `wait_for_server=False`: a refused connection
+    fails the call at once instead of being retried until the deadline (a server not started yet)."""
 
     def __init__(
         self,
@@ -141,8 +162,10 @@ class Client:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         load_balancing: str | None = None,
+        wait_for_server: bool = True,
     ) -> None:
         args = _channel_args(target, credentials, load_balancing)
+        self.target, self.wait_for_server = target, wait_for_server
         self.channel = grpc.secure_channel(**args) if credentials else grpc.insecure_channel(**args)
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)
@@ -160,7 +183,7 @@ class Client:
                     request, timeout=max(0.001, deadline - time.monotonic()), metadata=sent
                 )
             except grpc.RpcError as e:
-                pause = _pause(e, attempt)
+                pause = _pause(e, attempt, self.wait_for_server)
                 if pause is None or time.monotonic() + pause >= deadline:
                     raise
                 time.sleep(pause)
@@ -203,8 +226,10 @@ class AsyncClient:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         load_balancing: str | None = None,
+        wait_for_server: bool = True,
     ) -> None:
         args = _channel_args(target, credentials, load_balancing)
+        self.target, self.wait_for_server = target, wait_for_server
         self.channel = grpc.aio.secure_channel(**args) if credentials else grpc.aio.insecure_channel(**args)
         self.stub = protocol.Stub(self.channel)
         self.timeout, self.metadata = timeout, _metadata(token)
@@ -222,7 +247,7 @@ class AsyncClient:
                     request, timeout=max(0.001, deadline - time.monotonic()), metadata=sent
                 )
             except grpc.aio.AioRpcError as e:
-                pause = _pause(e, attempt)
+                pause = _pause(e, attempt, self.wait_for_server)
                 if pause is None or time.monotonic() + pause >= deadline:
                     raise
                 await asyncio.sleep(pause)

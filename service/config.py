@@ -13,7 +13,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerSettings", "add_arguments", "from_arguments"]
+__all__ = ["DEFAULT_URL", "ServerSettings", "add_arguments", "from_arguments", "server_url"]
+
+DEFAULT_URL = "127.0.0.1:8001"  # where the client tools look for a server when told nowhere else
+
+
+def server_url() -> str:
+    """The server the client tools call when --url is not given: $QKV_URL, else DEFAULT_URL."""
+    return os.environ.get("QKV_URL") or DEFAULT_URL
 
 
 def _setting(default: Any, help: str, **extra: Any) -> Any:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from service.config import DEFAULT_URL, server_url
 from service.seq2seq.graphs import GRAPHEMES_FILE, PHONEMES_FILE
 from service.seq2seq.vocab import Vocabulary
 
@@ -161,7 +162,9 @@ def compare_with_g2p(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.incremental", description=__doc__.split("\n")[0])
-    parser.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
+    parser.add_argument(
+        "--url", default=server_url(), help=f"the server's gRPC address (default: $QKV_URL, else {DEFAULT_URL})"
+    )
     parser.add_argument("--words", type=Path, default=Path("export/data/split/test.txt"), help="one word a line")
     parser.add_argument("--vocabularies", type=Path, default=DEFAULT_VOCABULARIES, help="the wrapped g2p version")
     parser.add_argument("--concurrency", type=int, default=8, help="words decoded at once")

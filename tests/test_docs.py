@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import os
 import re
 import subprocess
+import sys
 import textwrap
+import time
 import urllib.request
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,7 +36,7 @@ from service.observability.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
 from service.repository import layout as repository
 from service.repository.layout import ModelConfig
 from service.scheduling.config import BatchingConfig
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import ROOT, RunningServer, start_server
 
 DOCS = ROOT / "docs"
 DESIGN = DOCS / "design.md"
@@ -564,3 +567,142 @@ def test_every_cited_section_exists() -> None:
             if not doc.is_file() or not any(name.startswith(title) for _, name, _ in headings(doc)):
                 missing.append(f'{path.relative_to(ROOT)}: {os.path.relpath(doc, ROOT)}, "{title}"')
     assert not missing, "citations of sections that do not exist:\n" + "\n".join(missing)
+
+
+# --- the examples of docs/ ----------------------------------------------------------------------------
+
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+NEEDS = re.compile(r"^<!-- needs: (\S.*?) -->$")
+# An untagged block is a drawing or a program's output; one holding commands must say its language.
+COMMAND = re.compile(r"^\s*(\$ |\.venv/bin/|make |python )", re.M)
+EXAMPLE_LANGUAGES = ("bash", "console", "python", "json")
+
+
+@dataclass(frozen=True)
+class Example:
+    doc: str  # its file's name in docs/
+    line: int  # the line of its opening fence, from 1
+    language: str
+    text: str
+    needs: str  # what a `<!-- needs: ... -->` line just above it says it needs; "" when run here
+
+    @property
+    def first(self) -> str:
+        return self.text.splitlines()[0] if self.text else ""
+
+
+def examples() -> list[Example]:
+    """Every fenced block of docs/*.md, with its language and what it says it needs."""
+    found = []
+    for path in sorted(DOCS.glob("*.md")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for m in FENCE.finditer(text):
+            at = text.count("\n", 0, m.start())
+            needs = NEEDS.match(lines[at - 1].strip()) if at else None
+            found.append(Example(path.name, at + 1, m.group(1), m.group(2), needs.group(1) if needs else ""))
+    return found
+
+
+def example(doc: str, first: str) -> Example:
+    [found] = [e for e in examples() if e.doc == doc and e.first == first]
+    return found
+
+
+INCREMENTAL_BUILD = ".venv/bin/pip install --require-hashes -r requirements/graphs.txt   # onnx, which builds the graph"
+# The examples the docs tests run: (document, the block's first line) -> the test that runs it, from the text.
+RUN_HERE = {
+    ("design.md", '{"sequence_axis": 1, "batching": {"max_batch_size": 32}, "limits": {"max_sequence_length": 512}}'):
+        "test_configuration_examples_are_read_by_the_loader",
+    ("ensembles.md", "{"): "test_configuration_examples_are_read_by_the_loader",
+    ("operations.md", "$ qkv serve --tracing-exporter console        # in one terminal"):
+        "test_the_console_tracing_example_prints_what_it_shows",
+    ("sequences.md", INCREMENTAL_BUILD):
+        "test_the_incremental_decoding_example_answers_as_shown",
+    ("sequences.md", "from service.incremental import IncrementalG2P"):
+        "test_the_incremental_decoding_example_answers_as_shown",
+}  # fmt: skip
+
+
+def test_every_example_in_docs_runs_here_or_says_what_it_needs() -> None:
+    """A block with a language is an example: the tests below run it, or a `<!-- needs: ... -->` line above
+    it says what it needs that a test run does not have (a GPU, hours, the network)."""
+    found = examples()
+    unrun = [f"docs/{e.doc}:{e.line}" for e in found
+             if e.language and not e.needs and (e.doc, e.first) not in RUN_HERE]  # fmt: skip
+    assert not unrun, f"examples neither run by tests/test_docs.py (RUN_HERE) nor marked <!-- needs: ... -->: {unrun}"
+    unknown = [f"docs/{e.doc}:{e.line} ({e.language})" for e in found if e.language not in ("", *EXAMPLE_LANGUAGES)]
+    assert not unknown, f"examples in a language these tests do not know: {unknown}"
+    hidden = [f"docs/{e.doc}:{e.line}" for e in found if not e.language and COMMAND.search(e.text)]
+    assert not hidden, f"untagged blocks holding commands (say their language, ```bash or ```console): {hidden}"
+    stale = [key for key in RUN_HERE if not any((e.doc, e.first) == key for e in found)]
+    assert not stale, f"RUN_HERE names examples docs/ no longer has: {stale}"
+    assert all(callable(globals().get(test)) for test in RUN_HERE.values()), RUN_HERE
+
+
+def test_configuration_examples_are_read_by_the_loader(tmp_path: Path) -> None:
+    """Each config.json of the docs, as written, is one the repository loader accepts."""
+    for e in examples():
+        if e.language != "json" or e.needs:
+            continue
+        model = tmp_path / e.doc.removesuffix(".md") / f"line{e.line}"
+        (model / "1").mkdir(parents=True)
+        raw = json.loads(e.text)
+        for output in raw.get("outputs", []):  # the labels file the document puts beside config.json
+            if "label_filename" in output:
+                labels = "".join(f"class {i}\n" for i in range(output["shape"][-1]))
+                (model / output["label_filename"]).write_text(labels)
+        config = repository.load_model_config(model, raw=raw)
+        assert config.name == model.name, e
+        if "sequence_axis" in raw:
+            assert config.sequence_axis == raw["sequence_axis"], e
+        if "ensemble_scheduling" in raw:
+            assert config.ensemble is not None and len(config.ensemble.steps) == len(raw["ensemble_scheduling"]["step"])
+
+
+def test_the_console_tracing_example_prints_what_it_shows(tmp_path: Path) -> None:
+    """operations.md's two commands, the client finding the server by QKV_URL: the phonemes on stdout,
+    the trace id on stderr, and the server's console exporter writing that trace's spans."""
+    e = example("operations.md", "$ qkv serve --tracing-exporter console        # in one terminal")
+    commands = [line[2:].split("#")[0].split() for line in e.text.splitlines() if line.startswith("$ ")]
+    shown = [line for line in e.text.splitlines() if not line.startswith("$ ")]
+    (serve, *serve_args), (client, *client_args) = (c[1:] for c in commands)
+    assert (serve, client) == ("serve", "infer"), commands
+    with start_server(serve_args, tmp_path / "server.log") as s:
+        env = {**os.environ, "QKV_URL": s.url}
+        done = subprocess.run([sys.executable, "-m", "service.cli", client, *client_args], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [shown[1]], (done.stdout, shown)
+        trace = re.fullmatch(r"trace ([0-9a-f]{32})", done.stderr.strip())
+        assert trace and re.fullmatch(r"trace [0-9a-f]{32}", shown[0]), (done.stderr, shown)
+        deadline = time.monotonic() + 30  # the exporter writes a span within 0.2 s of its end; a loaded machine
+        while f'"traceId": "{trace.group(1)}"' not in s.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert f'"traceId": "{trace.group(1)}"' in s.output()
+
+
+def test_the_incremental_decoding_example_answers_as_shown(tmp_path: Path) -> None:
+    """sequences.md's commands, in a directory of the test's instead of /tmp/models: the install line
+    brings what building the graph imports, the build and the link make the repository, the server serves
+    it, and the Python example returns what its comment shows."""
+    build = example("sequences.md", INCREMENTAL_BUILD)
+    models = tmp_path / "models"
+    lines = [line.split("#")[0].strip().replace("/tmp/models", str(models)) for line in build.text.splitlines()]
+    install, make, link, serve = lines
+    lock = (ROOT / install.split("-r ")[1]).read_text()
+    assert re.search(r"^onnx==", lock, re.M), f"{install}: the lock does not install onnx"
+    assert make.startswith(".venv/bin/python -m export.stateful_decoder ") and "import onnx" in (
+        ROOT / "export" / "stateful_decoder.py").read_text()  # fmt: skip
+    for command in (make.replace(".venv/bin/python", sys.executable), link):
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, (command, done.stderr)
+    assert serve.startswith(".venv/bin/qkv serve ")
+    with start_server(serve.split()[2:], tmp_path / "server.log") as s:
+        code = example("sequences.md", "from service.incremental import IncrementalG2P").text.replace(
+            "127.0.0.1:8001", s.url)  # fmt: skip
+        *setup, last = code.strip().splitlines()
+        expression, _, comment = last.partition("  # ")
+        namespace: dict[str, Any] = {}
+        exec("\n".join(setup), namespace)  # the document's own code
+        assert eval(expression, namespace) == ast.literal_eval(comment), (expression, comment)

@@ -30,6 +30,7 @@ SETS: dict[str, tuple[str, ...]] = {
     "trace": ("trace",),
     "export": ("export",),
     "client": ("client",),
+    "graphs": ("graphs",),
     "dev": ("dev",),
 }
 # The CUDA image's lock: the serving set with onnxruntime-gpu in place of onnxruntime.
@@ -269,7 +270,7 @@ def test_make_lock_writes_every_lock() -> None:
     assert "--upgrade" in variables["COMPILE"] and "UPGRADE" in variables["COMPILE"]
     for lock_name in ["dev", "serve", "cuda"]:
         assert f"-o requirements/{lock_name}.txt" in recipe, lock_name
-    for extra in ("plot", "trace", "export", "client"):
+    for extra in ("plot", "trace", "export", "client", "graphs"):
         assert re.search(rf"for extra in [^;]*\b{extra}\b", recipe), extra
 
 

@@ -35,8 +35,12 @@ def _rate(metric: str, by: str, extra: str = "") -> str:
     return f"sum by ({by}) (rate({metric}{{{sel}}}[{RI}]))"
 
 
-def _quantile(q: float, histogram: str, by: str) -> str:
-    return f"histogram_quantile({q}, {_rate(histogram + '_bucket', 'le, ' + by)})"
+def _quantile(q: float, histogram: str, by: str, extra: str = "") -> str:
+    return f"histogram_quantile({q}, {_rate(histogram + '_bucket', 'le, ' + by, extra)})"
+
+
+# The requests that have a length: a model without a sequence axis leaves seq_len empty (docs/design.md, "Metrics").
+HAS_LENGTH = 'seq_len!=""'
 
 
 def _mean(histogram: str, by: str) -> str:
@@ -119,7 +123,7 @@ def _row(title: str) -> Panel:
 
 def _layout() -> list[tuple[Panel, int, int]]:
     """(panel, width, height) in reading order; rows take the full width."""
-    latency_by_len = _quantile(0.95, "qkv_request_duration_seconds", "seq_len")
+    latency_by_len = _quantile(0.95, "qkv_request_duration_seconds", "seq_len", HAS_LENGTH)
     requests, errors = _rate("qkv_requests_total", "model"), _rate("qkv_requests_total", "model", 'code!="OK"')
     errors_by_code = (
         _rate("qkv_requests_total", "model, code", 'code!="OK"')
@@ -199,7 +203,8 @@ def _layout() -> list[tuple[Panel, int, int]]:
         (
             _timeseries(
                 "p95 latency by sequence length",
-                "p95 request latency per seq_len bucket (longest input, in tokens, up to 8, 16, ... 512, inf).",
+                "p95 request latency per seq_len bucket (longest input, in tokens, up to 8, 16, ... 512, inf). "
+                "Models without a sequence axis have no seq_len and are left out.",
                 "s",
                 _targets((latency_by_len, "seq_len ≤ {{seq_len}}")),
             ),
@@ -237,9 +242,10 @@ def _layout() -> list[tuple[Panel, int, int]]:
         (
             _timeseries(
                 "Request rate by sequence length",
-                "Traffic mix over the seq_len buckets, to read the latency panels against.",
+                "Traffic mix over the seq_len buckets, to read the latency panels against (requests of models "
+                "without a sequence axis, which have no seq_len, left out).",
                 "reqps",
-                _targets((_rate("qkv_request_duration_seconds_count", "seq_len"), "seq_len ≤ {{seq_len}}")),
+                _targets((_rate("qkv_request_duration_seconds_count", "seq_len", HAS_LENGTH), "seq_len ≤ {{seq_len}}")),
                 stacking={"mode": "normal", "group": "A"},
             ),
             24,

@@ -1,15 +1,23 @@
-"""`qkv bench`: load tests over the v2 protocol, with the raw onnxruntime ceiling in the same run.
+"""`qkv bench`: load tests over the v2 protocol.
 
     qkv bench --url 127.0.0.1:8001 --model g2p_encoder --lengths 4:256 --concurrency 1,8,32
+    qkv bench --model my_model                # any served model: requests made from its metadata
     qkv bench --suite --out runs/bench        # every BENCHMARKS.md target, servers started here
     qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
     qkv bench --peers                         # beside Triton, MLServer, plain grpc.aio (makes their venvs)
     qkv bench --text                          # g2p on English text, its response cache on and off
     qkv bench --sequences                     # a stateful model: 64 sequences at once vs one at a time
 
-Every served figure is a ratio to a figure measured in the same run on the same machine (the
-in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
-transfer between machines better than absolute ones. Results: JSON, PNG plots, a markdown table.
+Against a running server (--url, default $QKV_URL or 127.0.0.1:8001, and --model): any model it serves,
+each request one row made from the model's metadata, of a length from --lengths or, without it, from 1
+to the model's longest sequence. It writes bench.json: requests/s and latency percentiles by concurrency
+(or --rate), and by sequence length. No plot and no ceiling: those need the servers the other modes
+start themselves.
+
+--suite and the other modes start their own servers on loopback. Every served figure of theirs is a ratio
+to a figure measured in the same run on the same machine (the in-process onnxruntime ceiling, or the
+same server with one setting changed), so the numbers transfer between machines better than absolute
+ones. Results: JSON, PNG plots (matplotlib), a markdown table.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from typing import Any
 import grpc
 
 from service import loadgen, protocol
+from service.bench.any_model import model_maker, model_shape
 from service.bench.ceilings import in_process_latency, raw_ceiling
-from service.bench.load import by_length, encoder_maker, held_out_words, run_closed, run_open, vocab_size, word_maker
+from service.bench.load import by_length, run_closed, run_open
 from service.bench.report import targets_table
 from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
 from service.bench.servers import padding_share, scrape, variant
 from service.cli import UsageError, in_range, readable_file
+from service.config import DEFAULT_URL, server_url
 from service.seq2seq.graphs import session_options
 
 # The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
@@ -68,10 +78,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text", action="store_true", help="g2p on English text (fortunes): response cache on/off")
     parser.add_argument("--text-file", type=Path, metavar="PATH", help="--text on this file (or directory) instead")
     parser.add_argument("--sequences", action="store_true", help="stateful steps: 64 sequences at once vs one")
-    parser.add_argument("--model-repository", type=Path, default=Path("models"))
-    parser.add_argument("--url", default="127.0.0.1:8001")
-    parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
-    parser.add_argument("--lengths", default="64", help="N, or LO:HI uniform (tensor model)")
+    parser.add_argument("--model-repository", type=Path, help="default: models (a --url run needs none)")
+    parser.add_argument("--url", default=server_url(), help=f"server HOST:PORT (default: $QKV_URL, else {DEFAULT_URL})")
+    parser.add_argument("--model", default="g2p_encoder", help="any model the server at --url serves")
+    parser.add_argument("--lengths", help="N, or LO:HI uniform (default: 1 to the model's longest sequence)")
     parser.add_argument("--concurrency", default="1,8,32", help="closed loop: comma-separated")
     parser.add_argument("--rate", type=float, default=0.0, help="open loop at this many requests/s instead")
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -147,12 +157,12 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"qkv bench: {problem}", file=sys.stderr)
         return 2
-    vocab = vocab_size(args.model_repository)
-    if args.model == "g2p":
-        make = word_maker(held_out_words())
-    else:
-        lo, hi = _lengths(args.lengths)
-        make = encoder_maker(lambda r: r.randint(lo, hi), vocab)
+    try:
+        shape = model_shape(args.url, args.model)
+    except grpc.RpcError as e:
+        print(f"qkv bench: model '{args.model}' on {args.url}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    make = model_maker(shape, _lengths(args.lengths) if args.lengths else None)
     report: dict[str, Any] = {}
     if args.rate:
         report[f"rate {args.rate:g}"] = loadgen.summarise(
@@ -178,7 +188,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--seconds {args.seconds:g}: must be above 0")
     in_range("--rate", args.rate, 0)
     in_range("--soak", args.soak, 0)
-    _lengths(args.lengths)
+    if args.lengths:
+        _lengths(args.lengths)
     _concurrency(args.concurrency)
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
@@ -195,7 +206,9 @@ def _check(args: argparse.Namespace) -> None:
         from service.bench.text import corpus_files
 
         corpus_files(args.text_file)  # the corpus there, or how to get it
-    if not (args.zoo or args.peers or args.sequences) and not args.model_repository.is_dir():  # they bring their own
+    given, args.model_repository = args.model_repository is not None, args.model_repository or Path("models")
+    local = args.suite or args.soak or args.perf_analyzer or args.protocols or args.versions or args.text
+    if (local or args.text_file or given) and not args.model_repository.is_dir():  # others: their own, or --url
         raise UsageError(f"model repository not found: {args.model_repository}")
 
 

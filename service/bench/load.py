@@ -67,11 +67,15 @@ def words_maker(words: list[str], per_request: int, version: str = "") -> loadge
 
 
 def word_maker(
-    words: list[str], tag: Callable[[str], str] = lambda w: "", beam_size: int = 1, version: str = ""
+    words: list[str],
+    tag: Callable[[str], str] = lambda w: "",
+    beam_size: int = 1,
+    version: str = "",
+    model: str = "g2p",
 ) -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         w = words[i % len(words)]
-        return g2p_request([w], beam_size=beam_size, version=version), len(w), tag(w)
+        return g2p_request([w], model, beam_size=beam_size, version=version), len(w), tag(w)
 
     return make
 

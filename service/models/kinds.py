@@ -63,7 +63,7 @@ LONE_ROUNDS = 5  # each length timed this many times on an instance and on the l
 @dataclass
 class Result:
     outputs: dict[str, np.ndarray]
-    seq_len: int  # what the latency histogram is split by
+    seq_len: int  # what the latency histogram is split by; 0: no length, no seq_len label
     tokens_in: int
     tokens_out: int
 
@@ -357,7 +357,11 @@ class TensorModel:
         return 0
 
     def config_parameters(self) -> dict[str, str]:
-        return {}
+        """What a client needs to make requests the model takes: its sequence axis, longest sequence and
+        each token input's vocabulary (`qkv bench --model` reads them), where config.json declares them."""
+        shown = {"sequence_axis": self.sequence_axis, "max_sequence_length": self.max_sequence_length or None}
+        shown |= {f"vocab_size.{name}": size for name, size in self.vocab_size.items()}
+        return {key: str(value) for key, value in shown.items() if value is not None}
 
     def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
         """Batching begins; `on_failure` hears if the batcher dies (the registry takes the version out)."""
@@ -504,7 +508,9 @@ class TensorModel:
         result: dict[str, np.ndarray] = await self.batcher.submit(item)
         self.stats.account_request(item)
         tokens = n * length
-        return Result(result, length, tokens, 0)
+        # No sequence axis: no length to tell requests apart by (they batch only with equal shapes), so none
+        # is reported, rather than the 1 they are counted by (docs/design.md, "Metrics": `seq_len`).
+        return Result(result, length if self.sequence_axis is not None else 0, tokens, 0)
 
     def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
         """Runs on an instance thread: pad, concatenate, run once, split back per request."""

@@ -137,7 +137,7 @@ class StatefulTensorModel(TensorModel):
         result = await self.sequencer.submit(step)
         if outputs:
             result = {k: v for k, v in result.items() if k in outputs}
-        return Result(result, 1, 1, 0)
+        return Result(result, 0, 1, 0)  # a step has no sequence length of its own: no seq_len label
 
     def _run_steps(self, steps: list[SequenceStep], instance: int) -> list[dict[str, np.ndarray]]:
         """Runs on an instance thread: the rows stacked, one run, each row's outputs cut back out."""

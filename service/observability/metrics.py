@@ -64,7 +64,10 @@ PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
 def seq_len_bucket(length: int) -> str:
-    """The label of the smallest bucket upper bound >= length: '8', '16', ... '512', 'inf'."""
+    """The label of the smallest bucket upper bound >= length: '8', '16', ... '512', 'inf'; '' for a request
+    with no length (0: a model without a sequence axis), which Prometheus reads as no label at all."""
+    if length <= 0:
+        return ""
     i = bisect.bisect_left(SEQ_LEN_BUCKETS, length)
     return str(SEQ_LEN_BUCKETS[i]) if i < len(SEQ_LEN_BUCKETS) else "inf"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,19 @@ GRAFANA = DEPLOY / "grafana"
 DOCKER = DEPLOY / "docker"
 COMPOSE = ROOT / "docker-compose.yml"
 OVERLAYS = ("cpu", "gpu", "cpu-tracing", "cpu-poll")
+
+# This test run's id: what it makes on a Docker engine is named after it (containers labelled
+# org.qkv.test.run=ID, compose projects qkvtIDp<pid>, images qkv:testIDp<pid>), so that its cleanup
+# (tests/deploy/docker_engine.sh, which sets it, or the fixtures' own) removes those and nothing of
+# another run's. Lowercase hexadecimal: a compose project name and an image tag take it, and it has no "p".
+TEST_RUN = os.environ.get("QKV_TEST_RUN") or secrets.token_hex(6)
+RUN_LABEL = f"org.qkv.test.run={TEST_RUN}"
+
+
+def run_name(prefix: str) -> str:
+    """A name of this run's, for this process: PREFIX, the run id, p, the pid."""
+    return f"{prefix}{TEST_RUN}p{os.getpid()}"
+
 
 # docs/design.md, "Metrics": name -> type. Prometheus exposes histograms as _bucket/_sum/_count
 # and counters with _total (prometheus_client adds _created beside them).

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as g
-from deploy_helpers import COMPOSE, PROMETHEUS, ROOT, load_yaml, ok, run, tool
+from deploy_helpers import COMPOSE, PROMETHEUS, ROOT, RUN_LABEL, load_yaml, ok, run, run_name, tool
 
 from tests.conftest import RunningServer
 from tests.figures import FIGURES as ALL_FIGURES
@@ -116,7 +116,7 @@ class Stack:
     def start_load(self, *args: str) -> str:
         """The load script in a container of the qkv image on the stack's network; returns its id."""
         return self.docker(
-            "run", "-d", "--label", "org.qkv.test=true", "--network", f"{self.project}_default",
+            "run", "-d", "--label", "org.qkv.test=true", "--label", RUN_LABEL, "--network", f"{self.project}_default",
             "--entrypoint", "python", "-v", f"{LOAD_SCRIPT}:/stack_load.py:ro", self.image(),
             "/stack_load.py", *args,
         ).strip()  # fmt: skip
@@ -142,11 +142,11 @@ def offline_start() -> tuple[str, list[str]]:
 def stack() -> Iterator[Stack]:
     _engine()
     s = Stack(
-        f"qkvt{os.getpid()}",
+        run_name("qkvt"),
         {
             "DOCKER_BUILDKIT": "0",  # the classic builder: BuildKit's frontend image comes from a registry
             "COMPOSE_DOCKER_CLI_BUILD": "0",
-            "QKV_TAG": f"test{os.getpid()}",
+            "QKV_TAG": run_name("test"),
             **{
                 v: ""
                 for v in ("QKV_HTTP_HOST_PORT", "QKV_GRPC_HOST_PORT", "QKV_METRICS_HOST_PORT", "PROMETHEUS_HOST_PORT")
@@ -169,7 +169,7 @@ def stack() -> Iterator[Stack]:
         FIGURES["image size"] = f"{size / 1e6:.0f} MB"
         yield s
     finally:
-        for c in s.docker("ps", "-aq", "--filter", "label=org.qkv.test=true").split():
+        for c in s.docker("ps", "-aq", "--filter", f"label={RUN_LABEL}").split():  # this run's only
             s.docker("rm", "-f", c, check=False)
         s.compose("down", "-v", "--remove-orphans")
         s.docker("image", "rm", s.image(), check=False)
