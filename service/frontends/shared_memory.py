@@ -85,11 +85,11 @@ class RegionStatus:
 class _Region:
     """A registered region: the object's open descriptor, whose it is, and the requests leasing it.
 
-    `uid`: the user that registered it (None: not known, the operator opted in); `owner`: the caller's name
-    with --isolate-tokens, "" otherwise."""
+    `uid`: the user that registered it (None: not known, the operator opted in); `rights`: whether `fd` was
+    opened for reading, and for writing; `owner`: the caller's name with --isolate-tokens, "" otherwise."""
 
-    def __init__(self, status: RegionStatus, fd: int, uid: int | None, owner: str) -> None:
-        self.status, self.fd, self.uid, self.owner = status, fd, uid, owner
+    def __init__(self, status: RegionStatus, fd: int, uid: int | None, rights: tuple[bool, bool], owner: str) -> None:
+        self.status, self.fd, self.uid, self.rights, self.owner = status, fd, uid, rights, owner
         self.leases = 0
         self.registered = True
 
@@ -100,14 +100,15 @@ class _Region:
     def check_access(self, write: bool, what: str) -> None:
         """PERMISSION_DENIED unless the user that registered the region may, by the object's mode now, read it
         (an input's region) or write it (an output's)."""
-        if self.uid is None:
+        opened = self.rights[1 if write else 0]
+        if opened and (self.uid is None or self.uid == 0):  # the server's own rights, or root's: no mode to check
             return
         info = os.fstat(self.fd)
-        may = access(self.uid, info)[1 if write else 0]
-        if not may:
+        assert self.uid is not None  # opened with fewer rights only for a known user
+        if not opened or not access(self.uid, info)[1 if write else 0]:
+            why = _refusal(self.uid, self.status.key, info) if opened else "it was registered without that right"
             raise PermissionDenied(
-                f"{what}: shared memory region {quote(self.name)} may not be "
-                f"{'written' if write else 'read'}: {_refusal(self.uid, self.status.key, info)}"
+                f"{what}: shared memory region {quote(self.name)} may not be {'written' if write else 'read'}: {why}"
             )
 
     def _truncated(self, end: int) -> InvalidArgument:
@@ -343,7 +344,7 @@ class SharedMemoryRegistry:
         if byte_size <= 0:
             raise InvalidArgument(f"shared memory region {quote(name)}: byte_size must be positive")
         self._check_room(name, byte_size, caller)
-        fd = self._open_object(name, key, file_name, uid)
+        fd, rights = self._open_object(name, key, file_name, uid)
         try:
             info = os.fstat(fd)
             if offset + byte_size > info.st_size:
@@ -354,7 +355,7 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        region = _Region(RegionStatus(name, key, offset, byte_size), fd, uid, owner)
+        region = _Region(RegionStatus(name, key, offset, byte_size), fd, uid, rights, owner)
         self._regions[owner, name] = region
         self._open.add(region)
 
@@ -380,7 +381,7 @@ class SharedMemoryRegistry:
             if caller is None or caller.share >= 1:
                 break
 
-    def _open_object(self, name: str, key: str, file_name: str, uid: int | None) -> int:
+    def _open_object(self, name: str, key: str, file_name: str, uid: int | None) -> tuple[int, tuple[bool, bool]]:
         """The object opened with the rights `uid` has on it (None: the server's own): first by its path alone
         (O_PATH: no right used, no symbolic link followed), then, the same file, for reading, writing or both."""
         try:
@@ -406,13 +407,14 @@ class SharedMemoryRegistry:
                 )
             flags = os.O_RDWR if read and write else os.O_RDONLY if read else os.O_WRONLY
             try:  # the file path_fd holds, whatever its name now names
-                return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NONBLOCK)
+                fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError as e:
                 raise InvalidArgument(
                     f"cannot register shared memory region {quote(name)}: cannot open {quote(key)}: {e.strerror}"
                 ) from None
         finally:
             os.close(path_fd)
+        return fd, (read, write)
 
     def status(self, name: str = "", caller: Caller | None = None) -> list[RegionStatus]:
         """Every registered region's status, or the one named (the caller's own, with --isolate-tokens)."""

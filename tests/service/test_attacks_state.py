@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as g
+import tritonclient.http as h
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
@@ -46,6 +47,7 @@ def _key(name: str) -> str:
 
 
 def _auth(token: str) -> dict[str, str]:
+    """A fresh dict each call: tritonclient's HTTP client adds its own headers to the one it is given."""
     return {"authorization": f"Bearer {token}"}
 
 
@@ -88,7 +90,8 @@ def _status(call: Callable[[], Any]) -> str:
 
 # --- a local user and objects it cannot open ----------------------------------------------------------------
 
-# Run as uid 65534: registers root's objects and its own, and uses them, over gRPC and HTTP; prints what
+# Run as uid 65534: once imported (it says "ready" and waits for a line, so that the probe times the attack,
+# not Python's start), registers root's objects and its own, and uses them, over gRPC and HTTP; prints what
 # each call answered, as JSON.
 NOBODY_CLIENT = """
 import json, sys
@@ -103,6 +106,8 @@ headers = {"authorization": "Bearer alpha"}
 x0, x1 = np.arange(16, dtype=np.int32).reshape(1, 16), np.full((1, 16), 3, dtype=np.int32)
 grpc_client, http_client = g.InferenceServerClient(url), h.InferenceServerClient(http_url)
 said = {}
+print("ready", flush=True)
+sys.stdin.readline()
 
 def status(name, call):
     try:
@@ -153,6 +158,22 @@ def _as_nobody(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[st
     )
 
 
+def _started_as_nobody(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    pipe = subprocess.PIPE
+    return subprocess.Popen(
+        args,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        cwd="/",
+        stdin=pipe,
+        stdout=pipe,
+        stderr=pipe,
+        text=True,
+        env=env,
+    )
+
+
 def _nobody_python() -> tuple[str, dict[str, str]]:
     """An interpreter uid 65534 may run that imports tritonclient (this one, or the system's with this one's
     packages), and its environment; skipped where there is none, or the tests are not root."""
@@ -195,13 +216,15 @@ def test_a_local_user_reaches_no_object_it_cannot_open_itself(served: RunningSer
     secret = _root_object("secret", SECRET, 0o600)
     readable = _root_object("readable", X0.tobytes(), 0o644)
     own = _key("own")
+    args = [python, "-c", NOBODY_CLIENT, served.url, served.http_url, _key("secret"), _key("readable"), own]
+    client = _started_as_nobody([*args, str(SIZE)], env)
     try:
-        args = [python, "-c", NOBODY_CLIENT, served.url, served.http_url, _key("secret"), _key("readable"), own]
+        assert client.stdout is not None and client.stdout.readline() == "ready\n", client.communicate(timeout=60)
 
         def send() -> tuple[str, str]:
-            done = _as_nobody([*args, str(SIZE)], env=env, timeout=120)
-            assert done.returncode == 0, done.stderr[-3000:]
-            said = json.loads(done.stdout)
+            out, err = client.communicate("go\n", timeout=120)
+            assert client.returncode == 0, err[-3000:]
+            said = json.loads(out)
             return said["register secret grpc"].split(":")[0], json.dumps(said)
 
         code, details = _attack_as(served, "shared memory: a local user registers root's 0600 object", send)
@@ -223,6 +246,9 @@ def test_a_local_user_reaches_no_object_it_cannot_open_itself(served: RunningSer
         assert secret.read_bytes() == SECRET and readable.read_bytes() == X0.tobytes()
         assert _opens(served.process.pid, secret) == 0
     finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
         secret.unlink()
         readable.unlink()
         Path("/dev/shm", own[1:]).unlink(missing_ok=True)
@@ -248,7 +274,7 @@ def test_a_key_outside_the_operators_prefix_is_refused(served: RunningServer) ->
 def test_another_tokens_regions_are_not_found(served: RunningServer) -> None:
     """Token B on token A's region (before: B read, wrote and unregistered it): every call NOT_FOUND, while
     B's own region of the same name is B's, and A's region is as A left it."""
-    client = g.InferenceServerClient(served.url)
+    client, http = g.InferenceServerClient(served.url), h.InferenceServerClient(served.http_url)
     handle = shm.create_shared_memory_region("mine", _key("mine"), 2 * SIZE)
     shm.set_shared_memory_region(handle, [X0])
     try:
@@ -272,14 +298,18 @@ def test_another_tokens_regions_are_not_found(served: RunningServer) -> None:
             said["read"] = _status(lambda: infer(output=False))
             said["write"] = _status(lambda: infer(output=True))
             said["unregister"] = _status(lambda: client.unregister_system_shared_memory("mine", headers=b))
+            said["http status"] = _status(lambda: http.get_system_shared_memory_status("mine", headers=_auth("bravo")))
+            said["http unregister"] = _status(
+                lambda: http.unregister_system_shared_memory("mine", headers=_auth("bravo"))
+            )
             listed = client.get_system_shared_memory_status(headers=b, as_json=True)
             said["listed"] = json.dumps(listed.get("regions", {}))
             return said["read"].split(":")[0], json.dumps(said)
 
         code, _ = _attack_as(served, "shared memory: token B on token A's region (isolation on)", send)
         assert code == "NOT_FOUND"
-        for what in ("status", "read", "write", "unregister"):
-            assert said[what].startswith("NOT_FOUND") and "'mine'" in said[what], (what, said[what])
+        for what in ("status", "read", "write", "unregister", "http status", "http unregister"):
+            assert said[what].startswith(("NOT_FOUND", "404")) and "'mine'" in said[what], (what, said[what])
         assert said["listed"] == "{}"
         assert list(client.get_system_shared_memory_status(headers=_auth("alpha")).regions) == ["mine"]
         assert shm.get_contents_as_numpy(handle, np.int32, [2, 16])[1].tolist() == [0] * 16  # nothing written
@@ -288,8 +318,8 @@ def test_another_tokens_regions_are_not_found(served: RunningServer) -> None:
         shm.destroy_shared_memory_region(handle)
 
 
-def _sequence_input(value: int) -> list[Any]:
-    x = g.InferInput("INPUT", [1, 1], "INT32")
+def _sequence_input(value: int, module: Any = g) -> list[Any]:
+    x = module.InferInput("INPUT", [1, 1], "INT32")
     x.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
     return [x]
 
@@ -297,7 +327,7 @@ def _sequence_input(value: int) -> list[Any]:
 def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
     """Token B steps on, reads the state of and ends token A's sequence (before: B decoded A's state): each
     NOT_FOUND; B's own start of that id is a sequence of its own; A's sums go on untouched."""
-    client = g.InferenceServerClient(served.url)
+    client, http = g.InferenceServerClient(served.url), h.InferenceServerClient(served.http_url)
     a, b = _auth("alpha"), _auth("bravo")
     state = [g.InferRequestedOutput("OUTPUT"), g.InferRequestedOutput("STATE_OUT")]
 
@@ -317,12 +347,15 @@ def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
         said["end"] = _status(
             lambda: client.infer(SEQUENCE_MODEL, _sequence_input(0), sequence_id="7", sequence_end=True, headers=b)
         )
+        said["http step"] = _status(
+            lambda: http.infer(SEQUENCE_MODEL, _sequence_input(1, h), sequence_id="7", headers=_auth("bravo"))
+        )
         return said["step"].split(":")[0], json.dumps(said)
 
     code, _ = _attack_as(served, "sequences: token B on token A's sequence (isolation on)", send)
     assert code == "NOT_FOUND"
-    for what in ("step", "state", "end"):
-        assert said[what].startswith("NOT_FOUND") and "sequence '7' is not live" in said[what], said[what]
+    for what in ("step", "state", "end", "http step"):
+        assert said[what].startswith(("NOT_FOUND", "404")) and "sequence '7' is not live" in said[what], said[what]
     start = client.infer(SEQUENCE_MODEL, _sequence_input(100), sequence_id="7", sequence_start=True, headers=b)
     assert total(start) == 100
     assert total(client.infer(SEQUENCE_MODEL, _sequence_input(1), sequence_id="7", headers=a)) == 12

@@ -552,6 +552,9 @@ def test_a_region_is_opened_with_the_registering_users_rights_and_used_within_th
     os.chmod(tmp_path / "readable", 0o600)  # checked again at each use, against the mode now
     with pytest.raises(PermissionDenied, match="'readable' may not be read"):
         regions.lease("readable", "input", "").check_access(False, "input")
+    os.chmod(tmp_path / "readable", 0o666)  # a right the user gained since is not one the region has
+    with pytest.raises(PermissionDenied, match="'readable' may not be written: it was registered without"):
+        regions.lease("readable", "output", "").check_access(True, "output")
     regions.close()
 
 
