@@ -138,6 +138,7 @@ class _TextInput:
     text: str
     id: str
     parameters: dict[str, Parameter]
+    caller: Caller | None = None  # whose token sent it (--isolate-tokens)
 
     def request(
         self, model: str, version: str, text: str, method: str, carrier: Any, outputs: tuple[str, ...] = ()
@@ -146,7 +147,9 @@ class _TextInput:
         none, the model's default)."""
         tensor = InferInput("TEXT", "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
         asked = tuple(RequestedOutput(name) for name in outputs)
-        return InferRequest(model, version, self.id, [tensor], asked, self.parameters, None, carrier, method)
+        return InferRequest(
+            model, version, self.id, [tensor], asked, self.parameters, None, carrier, method, caller=self.caller
+        )
 
 
 class RestServer:
@@ -499,7 +502,7 @@ class RestServer:
         request_id = doc.get("id", "")
         if not isinstance(request_id, str):
             raise InvalidArgument("id must be a string")
-        return _TextInput(text, request_id, parameters(doc.get("parameters", {})))
+        return _TextInput(text, request_id, parameters(doc.get("parameters", {})), self._caller(request))
 
     async def _generate(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
