@@ -10,10 +10,9 @@ A large message's repeated fields are counted on the wire before it is parsed at
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any, NoReturn, TypeVar, overload
 
 import grpc
@@ -250,9 +249,9 @@ class InferenceService:
         self.tokens = tokens if tokens is not None else BearerTokens([])  # who a call is, with --isolate-tokens
         self.address = address  # the server's (host, port): a peer's user is found by it
 
-    def _uid(self, context: Context) -> Callable[[], int | None]:
-        """The peer's local user, found once, when first asked (a stream's requests share its connection)."""
-        return functools.cache(lambda: grpc_peer_uid(context.peer(), self.address()))
+    def _peer_uid(self, context: Context) -> int | None:
+        """The peer's local user (service/frontends/peers.py), asked for only by a request that names a region."""
+        return grpc_peer_uid(context.peer(), self.address())
 
     async def ServerLive(self, request: Any, context: Context) -> Any:
         return protocol.ServerLiveResponse(live=self.plane.live())
@@ -290,9 +289,9 @@ class InferenceService:
         return protocol.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: Any, context: Context) -> Any:
-        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
+        caller = self.tokens.caller_of(context.invocation_metadata())
         try:
-            memory = _attached(self.regions, request, self._uid(context), caller)
+            memory = _attached(self.regions, request, partial(self._peer_uid, context), caller)
         except ServingError as e:
             await _abort(context, e)
         try:
@@ -316,8 +315,8 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
-        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
-        uid = self._uid(context)
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        uid = cache(partial(self._peer_uid, context))  # found once: a stream's requests share its connection
 
         async def answer(request: Any) -> None:
             memory = None

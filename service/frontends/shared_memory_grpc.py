@@ -54,10 +54,9 @@ class SharedMemoryService:
 
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "registering shared memory")
-        caller = self.tokens.caller_of(context.invocation_metadata())
-        r = request
-        uid = await self._uid(context)
-        await self._call(context, self.regions.register, r.name, r.key, r.offset, r.byte_size, uid, caller)
+        where = (request.name, request.key, request.offset, request.byte_size)
+        uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
+        await self._call(context, self.regions.register, *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
