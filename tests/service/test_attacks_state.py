@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -335,6 +336,19 @@ def _sequence_input(value: int, module: Any = g) -> list[Any]:
     return [x]
 
 
+def _stream_status(client: Any, inputs: list[Any], sequence_id: str, headers: dict[str, str]) -> str:
+    """One request of a sequence on a ModelStreamInfer stream: OK, or its error (the stream's caller is its
+    token's)."""
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error or result), headers=headers)
+    try:
+        client.async_stream_infer(SEQUENCE_MODEL, inputs, sequence_id=sequence_id)
+        answer = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+    return f"{answer.message()}" if isinstance(answer, InferenceServerException) else "OK"
+
+
 def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
     """Token B steps on, reads the state of and ends token A's sequence (before: B decoded A's state): each
     NOT_FOUND; B's own start of that id is a sequence of its own; A's sums go on untouched."""
@@ -361,11 +375,12 @@ def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
         said["http step"] = _status(
             lambda: http.infer(SEQUENCE_MODEL, _sequence_input(1, h), sequence_id="7", headers=_auth("bravo"))
         )
+        said["stream step"] = _stream_status(client, _sequence_input(1), "7", b)
         return said["step"].split(":")[0], json.dumps(said)
 
     code, _ = _attack_as(served, "sequences: token B on token A's sequence (isolation on)", send)
     assert code == "NOT_FOUND"
-    for what in ("step", "state", "end", "http step"):
+    for what in ("step", "state", "end", "http step", "stream step"):
         assert said[what].startswith(("NOT_FOUND", "404")) and "sequence '7' is not live" in said[what], said[what]
     start = client.infer(SEQUENCE_MODEL, _sequence_input(100), sequence_id="7", sequence_start=True, headers=b)
     assert total(start) == 100
