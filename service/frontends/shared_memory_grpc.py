@@ -3,6 +3,7 @@ shared_memory.py), and CUDA shared memory answered UNIMPLEMENTED (qkv has no GPU
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import grpc
 from service import protocol
 from service.errors import ServingError
 from service.frontends import shared_memory
+from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 
 __all__ = ["SharedMemoryService"]
@@ -20,8 +22,10 @@ class SharedMemoryService:
     """Triton's shared memory RPCs (service/frontends/shared_memory.py): system shared memory, and CUDA shared
     memory answered UNIMPLEMENTED. Served beside InferenceService, on the same service name."""
 
-    def __init__(self, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens) -> None:
-        self.regions, self.tokens = regions, tokens
+    def __init__(
+        self, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens, address: Callable[[], Address]
+    ) -> None:
+        self.regions, self.tokens, self.address = regions, tokens, address  # address: the server's (host, port)
 
     def _may_change(self, context: grpc.aio.ServicerContext, what: str) -> None:
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
@@ -36,20 +40,29 @@ class SharedMemoryService:
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
+    async def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The local user of the peer, when it is one of this host's (service/frontends/peers.py): on a thread,
+        as where the kernel has no sock_diag it is looked for in /proc/net/tcp, 10-20 ms."""
+        return await asyncio.to_thread(grpc_peer_uid, context.peer(), self.address())
+
     async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = protocol.SystemSharedMemoryStatusResponse()
-        for s in await self._call(context, self.regions.status, request.name):
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        for s in await self._call(context, self.regions.status, request.name, caller):
             response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
         return response
 
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "registering shared memory")
-        await self._call(context, self.regions.register, request.name, request.key, request.offset, request.byte_size)
+        where = (request.name, request.key, request.offset, request.byte_size)
+        uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
+        await self._call(context, self.regions.register, *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "unregistering shared memory")
-        await self._call(context, self.regions.unregister, request.name)
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        await self._call(context, self.regions.unregister, request.name, caller)
         return protocol.SystemSharedMemoryUnregisterResponse()
 
     async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
