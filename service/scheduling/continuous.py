@@ -360,13 +360,10 @@ class GenerationScheduler:
                 rows, real = len(batch), int(batch.memory_mask.sum())
                 padded = batch.memory_mask.size
                 finished = batch.step()
-            except Exception as e:  # fail every request in this batch, keep serving
-                log.error("model '%s': decoding batch failed: %s", self.name, e)
-                failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}
-                for item in failed.values():
-                    self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
+            except Exception as e:  # the batch's requests decoded again one at a time: only the one at fault fails
                 if joining is not None:
                     joining.close(len(batch), 0, 0)
+                self._isolate(model, [*batch.rows, *new], e)
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
@@ -379,6 +376,31 @@ class GenerationScheduler:
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=self._full(rows))
+
+    def _isolate(self, model: StepModel, rows: list[Hypothesis], error: Exception) -> None:
+        """A decoding step failed: each request that had words in the batch decodes all its words again, alone,
+        and is answered; one whose words still fail gets the error. The others are not failed with it."""
+        items = list({id(h.tag[0]): h.tag[0] for h in rows}.values())
+        log.warning("model '%s': a decoding batch of %d requests failed (%s): each decoded alone", self.name,
+                    len(items), error)  # fmt: skip
+        if len(items) > 1:
+            self.observer.computation_failed("batch")
+        for item in items:
+            req: WordsRequest = item.payload
+            req.results, req.remaining = [None] * len(req.sources), len(req.sources)
+            alone = DecodingBatch(model)
+            try:
+                alone.add([Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
+                           for j, src in enumerate(req.sources)])  # fmt: skip
+                finished: list[Hypothesis] = []
+                while len(alone):
+                    finished += alone.step()
+            except Exception as e:
+                self.observer.computation_failed("request")
+                log.error("model '%s': a request's words failed to decode alone: %s", self.name, e)
+                self._resolve(item, error=Internal(f"model '{self.name}' failed on this request's words: {e}"))
+                continue
+            self._finish(finished)
 
     def _full(self, rows: int) -> bool:
         """Under the lock: whether a step of `rows` ran at capacity, words waiting that could not join it.

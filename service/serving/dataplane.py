@@ -120,7 +120,8 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        return not self.draining
+        """Not draining; and, with --strict-readiness (the default), every model loaded or tried is ready."""
+        return not self.draining and (not self.settings.strict_readiness or not self.registry.unavailable())
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(SERVER_NAME, __version__, EXTENSIONS)
