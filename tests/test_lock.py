@@ -30,6 +30,7 @@ SETS: dict[str, tuple[str, ...]] = {
     "trace": ("trace",),
     "export": ("export",),
     "client": ("client",),
+    "hf": ("hf",),
     "dev": ("dev",),
 }
 # The CUDA image's lock: the serving set with onnxruntime-gpu in place of onnxruntime.
