@@ -24,7 +24,7 @@ from service import priority
 from service.errors import Internal, ServingError, Unavailable
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
-from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
+from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel, beam_search
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import BatchSpan, Tracing
@@ -425,7 +425,7 @@ class GenerationScheduler:
         try:
             search = BeamSearch(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs))
         except Exception as e:
-            self._beams_failed(items, span, rows, padded, real, e)
+            self._beams_failed(model, items, span, rows, padded, real, e)
             return None
         return _Beams(search, items, owners, rows, padded, real, span, time.monotonic() - start)
 
@@ -437,7 +437,7 @@ class GenerationScheduler:
         try:
             done = beams.search.step()
         except Exception as e:
-            self._beams_failed(beams.items, beams.span, beams.rows, beams.padded, beams.real, e)
+            self._beams_failed(beams.search.model, beams.items, beams.span, beams.rows, beams.padded, beams.real, e)
             return None
         seconds = time.monotonic() - start
         beams.seconds += seconds
@@ -454,13 +454,38 @@ class GenerationScheduler:
         return None
 
     def _beams_failed(
-        self, items: list[WorkItem], span: BatchSpan | None, rows: int, padded: int, real: int, e: Exception
+        self,
+        model: StepModel,
+        items: list[WorkItem],
+        span: BatchSpan | None,
+        rows: int,
+        padded: int,
+        real: int,
+        e: Exception,
     ) -> None:
-        log.error("model '%s': beam search failed: %s", self.name, e)
-        error = Internal(f"model '{self.name}' failed on this request: {e}")
-        self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
+        """A beam search failed: each of its requests not yet answered searches again alone, and only one whose
+        words still fail gets the error."""
         if span is not None:
             span.close(rows, padded, real)
+        pending = [x for x in items if x.payload.remaining > 0]  # those already answered keep their answer
+        log.warning("model '%s': a beam search of %d requests failed (%s): each searched alone", self.name,
+                    len(pending), e)  # fmt: skip
+        if len(pending) > 1:
+            self.observer.computation_failed("batch")
+        for item in pending:
+            req: WordsRequest = item.payload
+            try:
+                hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length,
+                                   with_attention=req.with_attention)  # fmt: skip
+            except Exception as alone:
+                self.observer.computation_failed("request")
+                log.error("model '%s': a request's beam search failed alone: %s", self.name, alone)
+                self._resolve(item, error=Internal(f"model '{self.name}' failed on this request's words: {alone}"))
+                continue
+            req.results, req.remaining = [None] * len(req.sources), len(req.sources)
+            for j, h in enumerate(hyps):
+                h.tag = (item, j)
+            self._finish(hyps)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

@@ -23,7 +23,7 @@ from service.repository.layout import load_model_config
 from service.scheduling.admission import WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
-from service.seq2seq.generation import greedy_decode
+from service.seq2seq.generation import beam_search, greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer
@@ -139,11 +139,16 @@ class FailsOn:
         return self.model.step(*args)
 
 
-def test_a_word_that_fails_in_continuous_batching_ends_its_own_request_only() -> None:
+@pytest.mark.parametrize("beam", [1, 2])
+def test_a_word_that_fails_in_continuous_batching_ends_its_own_request_only(beam: int) -> None:
+    """Greedy words in the continuous batch, or beam requests searched together: the others are answered."""
     version = MODELS / "g2p" / "1"
     model, graphemes = OnnxSeq2Seq(version, session_options(1)), Vocabulary.load(version / "graphemes.json")
     words = ["cat", "internationalization", "dog", "poison", "mat", "sun", "electroencephalograph", "on"]
-    alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in words}
+    if beam == 1:
+        alone = {w: greedy_decode(model, [graphemes.encode(w)], 40)[0].output for w in words}
+    else:
+        alone = {w: beam_search(model, [graphemes.encode(w)], beam, 40)[0].output for w in words}
     faulty = FailsOn(model, graphemes.encode("poison"))
 
     async def run() -> tuple[list[Any], Recorder]:
@@ -155,7 +160,7 @@ def test_a_word_that_fails_in_continuous_batching_ends_its_own_request_only() ->
 
         async def convert(word: str) -> Any:
             sources = [graphemes.encode(word)]
-            item = WorkItem(1, len(sources[0]) + 1, WordsRequest(sources, 40), loop.create_future())
+            item = WorkItem(beam, len(sources[0]) + 1, WordsRequest(sources, 40, beam), loop.create_future())
             try:
                 return (await scheduler.submit(item))[0].output
             except Exception as e:
