@@ -283,9 +283,8 @@ class TensorModel:
         self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
         self.tuning: Tuning | None = None  # what warm_up measured and chose
-        self.feed_seed: int | None = (
-            0  # warm-up's inputs: varied (a seed), or plain (None) for a graph that takes no other
-        )
+        # warm-up's inputs: varied (from a seed), or plain (None) for a graph that takes no other
+        self.feed_seed: int | None = 0
         # Whether requests of different lengths share a batch, padded (check_padding), and why.
         self.pads = True
         self.padding_source = ""
@@ -354,11 +353,9 @@ class TensorModel:
         policy = self.config.batching.padding
         why = ""
         if policy == "check":
-            why = (
-                self._padding_changes()
-                if self.feed_seed is not None
-                else ("the check could not run: the graph took no inputs but zeros at warm-up")
-            )
+            why = "the check could not run: the graph took no inputs but zeros at warm-up"
+            if self.feed_seed is not None:  # rows of varied values, which padding's zeros could change
+                why = self._padding_changes()
             self.padding_source = f"checked at load: {why}" if why else "checked at load"
         else:
             self.padding_source = "config.json"
