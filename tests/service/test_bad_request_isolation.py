@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from service.models.catalog import Context, build
 from service.observability.metrics import Metrics
-from service.repository.layout import load_model_config
+from service.repository.layout import RepositoryError, load_model_config
 from service.scheduling.admission import WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
@@ -120,6 +120,13 @@ def test_a_value_outside_a_declared_range_is_refused_before_batching(served: Run
         assert client.infer("ranged", _input(np.array([[1, VOCAB - 1]], dtype=np.int64))).as_numpy("y") is not None
     text = urllib.request.urlopen(served.metrics_url, timeout=30).read().decode()
     assert metric(text, "qkv_failed_computations_total", model="ranged") == 0, "refused before any run"
+
+
+@pytest.mark.parametrize("bounds", [[1], [3, 2], ["0", 1], [0, float("inf")]])
+def test_a_value_range_that_is_not_two_numbers_in_order_is_refused_at_load(tmp_path: Path, bounds: list[Any]) -> None:
+    lookup(tmp_path / "m", {"limits": {"value_range": {"ids": bounds}}})
+    with pytest.raises(RepositoryError, match=r"limits\.value_range\.ids must be \[lowest, highest\]"):
+        load_model_config(tmp_path / "m")
 
 
 class FailsOn:

@@ -16,6 +16,7 @@ import tritonclient.grpc as g
 import tritonclient.http as h
 from onnx import TensorProto, helper
 
+from service.client import health_check
 from service.models.runtime import TensorSpec
 from service.models.warmup import dimension, graph_feeds
 from tests.conftest import ROOT, RunningServer, scale_model, start_server, stop_server
@@ -153,6 +154,8 @@ def test_a_decoder_with_past_warms_up_and_serves_and_a_broken_model_is_unavailab
         assert client.is_model_ready("scale") and not client.is_model_ready("broken")
     with h.InferenceServerClient(tolerant.http_url) as http:
         assert not http.is_server_ready()
+    assert health_check(tolerant.url, "") == "NOT_SERVING"  # the whole server, as ServerReady
+    assert health_check(tolerant.url, "scale") == "SERVING"
 
 
 def test_without_strict_readiness_the_server_is_ready_beside_an_unavailable_model(repo: Path, tmp_path: Path) -> None:
@@ -160,6 +163,7 @@ def test_without_strict_readiness_the_server_is_ready_beside_an_unavailable_mode
     with start_server(args, tmp_path / "loose.log") as s, g.InferenceServerClient(s.url) as client:
         assert client.is_server_ready()
         assert not client.is_model_ready("broken")
+        assert health_check(s.url, "") == "SERVING"
 
 
 def test_by_default_a_model_that_cannot_warm_up_stops_the_start(repo: Path) -> None:
