@@ -51,7 +51,7 @@ COMPILE = $(BIN)/pip-compile -q --generate-hashes --strip-extras --unsafe-packag
 lock: $(VENV)/.dev
 	$(COMPILE) --extra dev -o requirements/dev.txt pyproject.toml
 	$(COMPILE) -c requirements/dev.txt -o requirements/serve.txt pyproject.toml
-	for extra in plot trace export client graphs; do \
+	for extra in plot trace export client graphs hf; do \
 	  $(COMPILE) -c requirements/dev.txt --extra $$extra -o requirements/$$extra.txt pyproject.toml || exit 1; done
 	$(COMPILE) -c requirements/dev.txt -o requirements/cuda.txt requirements/cuda.in
 

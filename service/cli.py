@@ -81,9 +81,10 @@ def _check_settings(s: ServerSettings) -> None:
     """What the flags (or their QKV_ variables) say that cannot work, refused before anything binds or loads."""
     for name, lowest in (("grpc_port", 0), ("http_port", -1), ("metrics_port", -1)):
         in_range("--" + name.replace("_", "-"), getattr(s, name), lowest, 65535)
-    for name, lowest in (("grace_period", 0), ("max_connection_age", 0), ("max_message_bytes", 1),
-                         ("max_concurrent_streams", 1)):  # fmt: skip
+    for name, lowest in (("grace_period", 0), ("max_connection_age", 0), ("max_concurrent_streams", 1)):
         in_range("--" + name.replace("_", "-"), getattr(s, name), lowest)
+    for name in ("max_message_bytes", "max_send_message_bytes"):  # gRPC takes a message size as a C int
+        in_range("--" + name.replace("_", "-"), getattr(s, name), 1, (1 << 31) - 1)
     in_range("--compute-nice", s.compute_nice, 0, 19)
     for name in ("http_timeout", "repository_poll_secs"):
         if getattr(s, name) <= 0:

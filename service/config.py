@@ -61,9 +61,22 @@ class ServerSettings:
     load_model: tuple[str, ...] = _setting(
         (), "explicit mode: a model to load at start (repeat the flag; '*': every model)", append=True
     )
+    exit_on_error: bool = _setting(
+        True, "stop the start when a model fails to load (--no-exit-on-error: serve the others; the index says why)"
+    )
+    strict_readiness: bool = _setting(
+        True,
+        "the server is ready only while every model it loaded or tried to load is (--no-strict-readiness: once "
+        "it answers)",
+    )
     grace_period: float = _setting(10.0, "seconds in-flight requests get to finish after SIGTERM")
     max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
-    max_message_bytes: int = _setting(64 << 20, "largest request or response message")
+    max_message_bytes: int = _setting(
+        64 << 20, "largest request message the server receives (gRPC), or request body (HTTP)"
+    )
+    # Triton's gRPC limit in both directions is INT32_MAX; answers are the server's own, so only the
+    # receiving side is bounded lower by default (a request is any client's).
+    max_send_message_bytes: int = _setting((1 << 31) - 1, "largest response message the server sends over gRPC")
     max_concurrent_streams: int = _setting(1024, "HTTP/2 streams one connection may hold open")
     # 19, not 10: at 10x overload the refusal p99 was 16-61 ms against 67-154 ms at 10 (three pairs),
     # with the same throughput under load that does not overflow (BENCHMARKS.md).
@@ -171,6 +184,27 @@ def _converter(kind: str) -> Callable[[str], Any]:
     return convert
 
 
+class _Switch(argparse.Action):
+    """An on/off flag: `--flag`, `--no-flag`, or Triton's `--flag=true` / `--flag=false`."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        negated = ["--no-" + o[2:] for o in option_strings if o.startswith("--")]
+        super().__init__([*option_strings, *negated], dest, nargs="?", metavar="BOOL", **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        if option is not None and option.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        try:
+            setattr(namespace, self.dest, True if values is None else _parse_bool(values))
+        except ValueError:
+            parser.error(f"{option}={values}: give true or false")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerSettings):
         flag = "--" + f.name.replace("_", "-")
@@ -178,7 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{f.metadata['help']} [{env}]"
         kind = str(f.type)
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(flag, action=_Switch, default=None, help=help_text)
         elif f.metadata.get("append"):
             parser.add_argument(flag, action="append", default=None, help=help_text)
         else:

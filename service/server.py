@@ -115,7 +115,7 @@ class Server:
         s = self.settings
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_send_message_bytes),
             ("grpc.max_concurrent_streams", s.max_concurrent_streams),
             ("grpc.keepalive_time_ms", 60_000),  # find dead peers
             ("grpc.keepalive_timeout_ms", 20_000),
@@ -138,6 +138,8 @@ class Server:
         if not self.draining:
             status = health_pb2.HealthCheckResponse
             await self.health.set(name, status.SERVING if ready else status.NOT_SERVING)
+            if self.registry.started:  # the whole server's, as ServerReady answers (--strict-readiness)
+                await self.health.set("", status.SERVING if self.plane.ready() else status.NOT_SERVING)
 
     async def start(self) -> None:
         """Ports bound, models loaded (a model that fails to load stops the start), then serving."""
@@ -150,7 +152,13 @@ class Server:
             return s.host, self.grpc_port
 
         server.add_generic_rpc_handlers(
-            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory, self._tokens, bound)),)
+            (
+                grpc_api.generic_handler(
+                    grpc_api.InferenceService(
+                        self.plane, self.shared_memory, self._tokens, bound, s.max_send_message_bytes
+                    )
+                ),
+            )
         )
         regions = SharedMemoryService(self.shared_memory, self._tokens, bound)
         server.add_generic_rpc_handlers((protocol.generic_handler(regions),))
@@ -180,8 +188,10 @@ class Server:
         await server.start()
         if self._http is not None:
             await self._http.start()
-        for name in ["", *self.registry.ready_names()]:
+        for name in self.registry.ready_names():
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        status = health_pb2.HealthCheckResponse
+        await self.health.set("", status.SERVING if self.plane.ready() else status.NOT_SERVING)
 
     def return_memory_later(self) -> None:
         """The heap's free pages handed back to the system soon, and again at growing delays (once the
@@ -261,6 +271,9 @@ async def _serve(settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.registry.served())
+    failed = server.registry.unavailable()
+    if failed:  # --no-exit-on-error: the start went on without them (the log and the index say why)
+        models += f"; UNAVAILABLE: {', '.join(failed)}"
     log.info("settings: %s", settings.summary())
     http = f"{settings.host}:{server.http_port}" if settings.http_port >= 0 else "off"
     print(

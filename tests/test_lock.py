@@ -31,6 +31,7 @@ SETS: dict[str, tuple[str, ...]] = {
     "export": ("export",),
     "client": ("client",),
     "graphs": ("graphs",),
+    "hf": ("hf",),
     "dev": ("dev",),
 }
 # The CUDA image's lock: the serving set with onnxruntime-gpu in place of onnxruntime.

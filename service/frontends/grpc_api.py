@@ -20,7 +20,7 @@ from grpc.aio import ServicerContext as Context
 
 from service import protocol
 from service.callers import Caller
-from service.errors import InvalidArgument, ServingError, quote
+from service.errors import InvalidArgument, ResourceExhausted, ServingError, quote
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource
 from service.frontends.messages import (
@@ -40,6 +40,7 @@ from service.serving.dataplane_types import InferInput, InferRequest, InferRespo
 __all__ = ["STREAM_WINDOW", "InferenceService", "generic_handler"]
 
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
+SEND_LIMIT = (1 << 31) - 1  # the largest answer by default: Triton's (INT32_MAX, gRPC's own ceiling)
 _END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 T = TypeVar("T")
 
@@ -191,14 +192,23 @@ def decode_request(
     )
 
 
-def encode_response(answer: InferResponse, memory: shared_memory.RequestMemory | None = None) -> Any:
+def encode_response(
+    answer: InferResponse, memory: shared_memory.RequestMemory | None = None, limit: int = SEND_LIMIT
+) -> Any:
     """The data plane's answer -> a ModelInferResponse, every output in raw_output_contents (empty for one
-    written into its shared memory region)."""
+    written into its shared memory region); RESOURCE_EXHAUSTED naming --max-send-message-bytes when it is
+    larger than `limit` (gRPC's own refusal names nothing)."""
     response = protocol.ModelInferResponse(
         model_name=answer.model_name, model_version=answer.model_version, id=answer.id
     )
     for name, array in answer.outputs.items():
         response.raw_output_contents.append(shared_memory.place_output(memory, response.outputs.add(name=name), array))
+    # The contents are most of a large answer: only one near the limit is measured whole.
+    if sum(map(len, response.raw_output_contents)) + WALKED_BYTES > limit and (size := response.ByteSize()) > limit:
+        raise ResourceExhausted(
+            f"the response is {size:,} bytes, over the server's --max-send-message-bytes {limit:,}: raise it, ask for "
+            "fewer outputs, or have them written to shared memory"
+        )
     return response
 
 
@@ -250,8 +260,9 @@ class InferenceService:
         regions: shared_memory.SharedMemoryRegistry,
         tokens: BearerTokens | None = None,
         address: Callable[[], Address] = lambda: ("", 0),
+        send_limit: int = SEND_LIMIT,
     ) -> None:
-        self.plane, self.regions = plane, regions
+        self.plane, self.regions, self.send_limit = plane, regions, send_limit
         self.tokens = tokens if tokens is not None else BearerTokens([])  # who a call is, with --isolate-tokens
         self.address = address  # the server's (host, port): a peer's user is found by it
 
@@ -305,8 +316,8 @@ class InferenceService:
             if isinstance(outcome, ServingError):
                 await _abort(context, outcome)
             try:
-                return encode_response(outcome, memory)
-            except ServingError as e:  # an output that does not fit its region
+                return encode_response(outcome, memory, self.send_limit)
+            except ServingError as e:  # an output that does not fit its region, or the answer over the send limit
                 await _abort(context, e)
         finally:
             if memory is not None:
@@ -331,7 +342,7 @@ class InferenceService:
                 outcome = await self.plane.infer(
                     decode_request(request, context, self.plane, "ModelStreamInfer", memory, caller)
                 )
-                answers.put_nowait(_stream_answer(request, outcome, memory))
+                answers.put_nowait(_stream_answer(request, outcome, memory, self.send_limit))
             except ServingError as e:
                 answers.put_nowait(_stream_answer(request, e))
             finally:
@@ -390,14 +401,17 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
 
 
 def _stream_answer(
-    request: Any, outcome: InferResponse | ServingError, memory: shared_memory.RequestMemory | None = None
+    request: Any,
+    outcome: InferResponse | ServingError,
+    memory: shared_memory.RequestMemory | None = None,
+    limit: int = SEND_LIMIT,
 ) -> Any:
     """A ModelStreamInferResponse: the answer, or the error as `STATUS: message` with the request's id and
     model, so that a client can tell which request failed."""
     if not isinstance(outcome, ServingError):
         try:
-            return protocol.ModelStreamInferResponse(infer_response=encode_response(outcome, memory))
-        except ServingError as e:  # an output that does not fit its region
+            return protocol.ModelStreamInferResponse(infer_response=encode_response(outcome, memory, limit))
+        except ServingError as e:  # an output that does not fit its region, or the answer over the send limit
             outcome = e
     hint = f" (retry after {outcome.retry_after_ms} ms)" if outcome.retry_after_ms is not None else ""
     named = protocol.ModelInferResponse(model_name=request.model_name[:MAX_ID_CHARS], id=request.id[:MAX_ID_CHARS])

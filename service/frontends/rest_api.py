@@ -309,12 +309,18 @@ class RestServer:
             raise _Refused(415, f"Content-Encoding {quote(encoding)}: gzip, deflate or none")
         limit = self.settings.max_message_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise _Refused(413, f"the body is {request.content_length:,} bytes, the limit is {limit:,}", close=True)
+            raise _Refused(
+                413,
+                f"the body is {request.content_length:,} bytes, the limit is {limit:,} (--max-message-bytes)",
+                close=True,
+            )
         try:
             async with asyncio.timeout(self.settings.http_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _Refused(413, f"the body is over the limit of {limit:,} bytes", close=True) from None
+            raise _Refused(
+                413, f"the body is over the limit of {limit:,} bytes (--max-message-bytes)", close=True
+            ) from None
         except TimeoutError:
             request.content.feed_eof()  # nothing more is waited for: answer, then close
             timeout = self.settings.http_timeout

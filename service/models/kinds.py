@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
-from service.errors import InvalidArgument, ServingError, quote
+from service.errors import Internal, InvalidArgument, ServingError, quote
 from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
 from service.models.response_cache import ResponseCache
 from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
+from service.models.warmup import graph_feeds
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
@@ -58,6 +59,10 @@ SPOKEN_PER_WORD = 4
 # sequence axis; a model without one is timed at its one shape).
 LONE_LENGTHS = (8, 16, 32, 64, 128, 256, 512)
 LONE_ROUNDS = 5  # each length timed this many times on an instance and on the lone session, the best kept
+# The padding check (TensorModel.check_padding): rows of these lengths alone and padded together, their real
+# positions' outputs equal within these tolerances (what batching fp32 rows of different batch sizes moves).
+PADDING_LENGTHS = (12, 7, 3)
+PADDING_RTOL, PADDING_ATOL = 1e-3, 1e-4
 
 
 @dataclass
@@ -166,6 +171,15 @@ def _outside(ids: np.ndarray, size: int) -> bool:
     return bool(ids.min() < 0 or ids.max() >= size)
 
 
+def _failed_alone(model: str, error: Exception) -> ServingError:
+    """A request onnxruntime failed on, run alone: its inputs are at fault (INVALID_ARGUMENT with onnxruntime's
+    message), unless memory ran out (INTERNAL)."""
+    message = str(error)
+    if isinstance(error, MemoryError) or "allocat" in message.lower():
+        return Internal(f"model '{model}' failed on this request: {message}")
+    return InvalidArgument(f"model '{model}' cannot run on this request's inputs: {message}")
+
+
 def check_outputs(names: list[str], asked: list[str], model: str) -> None:
     """InvalidArgument naming the first of the `asked` outputs that the model (its outputs `names`) lacks."""
     for o in asked:
@@ -252,7 +266,7 @@ class TensorModel:
     compute_span = "qkv.compute"
 
     def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
-        self.config, self.runtime = config, runtime
+        self.config, self.runtime, self.observer = config, runtime, observer
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
         self.stats = ModelStats()
@@ -269,6 +283,8 @@ class TensorModel:
         self.max_sequence_length = int(config.limits.get("max_sequence_length", 0))
         # input name -> vocabulary size: token ids must lie in [0, size)
         self.vocab_size = {k: int(v) for k, v in (config.limits.get("vocab_size") or {}).items()}
+        # input name -> (lowest, highest): every value must lie within
+        self.value_range: dict[str, tuple[float, float]] = dict(config.limits.get("value_range") or {})
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
@@ -281,25 +297,30 @@ class TensorModel:
             self.batcher.select = PriorityChooser(self.priorities, self.batcher.select)
         self.admission = self.batcher.admission  # the server refuses early with it, before decoding
         self.tuning: Tuning | None = None  # what warm_up measured and chose
+        # warm-up's inputs: varied (from a seed), or plain (None) for a graph that takes no other
+        self.feed_seed: int | None = 0
+        # Whether requests of different lengths share a batch, padded (check_padding), and why.
+        self.pads = True
+        self.padding_source = ""
 
     def warm_up(self, length: int = 64) -> None:
-        """Batches on each instance before serving. onnxruntime's first run allocates its arena; a sweep
-        of batch sizes measures what a batch costs here, from which the batching settings config.json
-        leaves out are chosen (service/scheduling/tuning.py); and the best run gives admission a throughput estimate
-        before any request: without one, a flood on a fresh server would be admitted up to the queue
-        limits, seconds of work."""
+        """Batches on each instance before serving. onnxruntime's first run allocates its arena; padding is
+        checked (`check_padding`); a sweep of batch sizes measures what a batch costs here, from which the
+        batching settings config.json leaves out are chosen (service/scheduling/tuning.py); and the best run
+        gives admission a throughput estimate before any request: without one, a flood on a fresh server
+        would be admitted up to the queue limits, seconds of work. The inputs are read from the graph
+        (service/models/warmup.py)."""
         if self.max_sequence_length:
             length = min(length, self.max_sequence_length)
+        feeds = self._first_runs(length)
         try:
-            feeds = self._feeds(1, length)
+            self.check_padding()
             tokens = self._length(feeds)  # counted as a request's tokens are
-            for instance in [*range(self.batcher.instances), *([LONE] if self.batcher.lone else [])]:
-                self.runtime.run(instance, feeds)  # each session's first run allocates its arena
             rows = self.max_batch_size if self.batchable else 1
             points = sweep(lambda n: self.batcher.served_seconds(partial(self._batch_of, length, n)), tokens, rows)
         except Exception as e:  # onnxruntime's own exception types: a graph that cannot run is not served
             raise RepositoryError(
-                f"model '{self.name}' version {self.version}: warm-up failed (inputs of ones, length {length}): {e}"
+                f"model '{self.name}' version {self.version}: warm-up failed ({self._shown(feeds)}): {e}"
             ) from e
         cost = CostModel.fit(points)
         tuning = tune(self.batcher.config, self.config.batching_given, points, self.batcher.handoff_seconds(), cost)
@@ -311,6 +332,103 @@ class TensorModel:
         if self.batcher.lone:
             self._choose_lone(length)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
+
+    def _first_runs(self, length: int) -> dict[str, np.ndarray]:
+        """Each session's first run (it allocates its arena), on inputs read from the graph: varied token ids
+        and values first, then plain ones (zeros) for a graph that takes no other. The feeds that ran; a
+        RepositoryError saying what was fed and what onnxruntime answered when neither did."""
+        tried: list[str] = []
+        for seed in (0, None):
+            self.feed_seed = seed
+            feeds = self._feeds(1, length)
+            try:
+                for instance in [*range(self.batcher.instances), *([LONE] if self.batcher.lone else [])]:
+                    self.runtime.run(instance, feeds)
+                return feeds
+            except Exception as e:  # onnxruntime's own exception types
+                tried.append(f"{self._shown(feeds)}: {e}")
+        raise RepositoryError(
+            f"model '{self.name}' version {self.version}: warm-up failed on inputs read from the graph "
+            f"({'; then '.join(tried)})"
+        )
+
+    def _shown(self, feeds: dict[str, np.ndarray]) -> str:
+        """The warm-up's feeds as a message names them: each input's datatype and shape."""
+        by_name = {s.name: s.datatype for s in self.inputs}
+        return "inputs " + ", ".join(f"{k} {by_name.get(k, '?')} {list(v.shape)}" for k, v in feeds.items())
+
+    def check_padding(self) -> None:
+        """Whether requests of different lengths may share a batch, padded along the sequence axis: config.json
+        `batching.padding` "safe" or "unsafe" says so; "check" (the default) runs rows of a few lengths alone
+        and padded together in one batch, and compares the real positions' outputs. Where padding changes
+        them, the model batches only requests of equal length, and the log says why and how to override."""
+        if not self.batchable or not self._seq_names:
+            return  # nothing is ever padded
+        policy = self.config.batching.padding
+        why = ""
+        if policy == "check":
+            why = "the check could not run: the graph took no inputs but zeros at warm-up"
+            if self.feed_seed is not None:  # rows of varied values, which padding's zeros could change
+                why = self._padding_changes()
+            self.padding_source = f"checked at load: {why}" if why else "checked at load"
+        else:
+            self.padding_source = "config.json"
+        self.pads = policy == "safe" or (policy == "check" and not why)
+        if self.pads:
+            how = "checked at load: outputs unchanged" if policy == "check" else "trusted (config.json)"
+            log.info("model '%s': padding along sequence axis %d %s", self.name, self.sequence_axis, how)
+            return
+        self.batcher.config = self.admission.config = replace(self.batcher.config, padding="unsafe")
+        if policy == "check":
+            log.warning(
+                "model '%s': padding changes its outputs (%s): requests are batched only with others of equal "
+                'length. Give the graph an attention mask input, or set "batching": {"padding": "safe"} in '
+                "config.json to pad anyway (the outputs of padded rows then differ from the same request alone)",
+                self.name,
+                why,
+            )
+        else:
+            log.info('model \'%s\': "padding": "unsafe" (config.json): batched only with requests of equal length',
+                     self.name)  # fmt: skip
+
+    def _padding_changes(self) -> str:
+        """Rows of PADDING_LENGTHS (within max_sequence_length) run alone and padded in one batch: "" when the
+        real positions' outputs agree within PADDING_RTOL and PADDING_ATOL, else what differs."""
+        limit = self.max_sequence_length or max(PADDING_LENGTHS)
+        lengths = sorted({max(1, min(n, limit)) for n in PADDING_LENGTHS}, reverse=True)
+        if len(lengths) < 2:
+            return ""  # every request has the one length: nothing is padded
+        rows = [self._feeds(1, n, seed=i + 1) for i, n in enumerate(lengths)]
+        names = [o.name for o in self.outputs]
+        longest = lengths[0]
+        feeds = {
+            s.name: _stack(
+                [r[s.name] for r in rows], self.sequence_axis if self._on_sequence_axis(s) else None, longest
+            )
+            for s in self.inputs
+        }
+        try:
+            alone = [dict(zip(names, self.runtime.run(0, r), strict=True)) for r in rows]
+            batch = dict(zip(names, self.runtime.run(0, feeds), strict=True))
+        except Exception as e:  # onnxruntime's own exception types: not shown safe, so not padded
+            return f"the check could not run rows of lengths {lengths} alone and padded together: {e}"
+        for i, n in enumerate(lengths):
+            for o in self.outputs:
+                index = [slice(i, i + 1)] + [slice(0, n) if a in self._seq_names else slice(None) for a in o.axes[1:]]
+                got, want = batch[o.name][tuple(index)], alone[i][o.name]
+                what = f"output {quote(o.name)} of a row of length {n}"
+                if got.shape != want.shape:
+                    return (
+                        f"{what} is {list(got.shape)} in a batch padded to {longest}, {list(want.shape)} alone: "
+                        "its length follows the padded length, and no axis of it is named as the sequence axis"
+                    )
+                if got.dtype.kind not in "fc":
+                    if not np.array_equal(got, want):
+                        return f"{what} differs in a batch padded to {longest} from the same row alone"
+                elif not np.allclose(got, want, rtol=PADDING_RTOL, atol=PADDING_ATOL, equal_nan=True):
+                    diff = float(np.nanmax(np.abs(got.astype(np.float64) - want)))
+                    return f"{what} differs by up to {diff:.3g} in a batch padded to {longest} from the same row alone"
+        return ""
 
     def _choose_lone(self, length: int) -> None:
         """Where the lone session gains: one request of each length timed on an instance and on it (every
@@ -358,9 +476,19 @@ class TensorModel:
 
     def config_parameters(self) -> dict[str, str]:
         """What a client needs to make requests the model takes: its sequence axis, longest sequence and
-        each token input's vocabulary (`qkv bench --model` reads them), where config.json declares them."""
-        shown = {"sequence_axis": self.sequence_axis, "max_sequence_length": self.max_sequence_length or None}
+        each token input's vocabulary (`qkv bench --model` reads them), where config.json declares them; and,
+        where the model has a sequence axis, whether requests of different lengths are padded into one batch
+        ("safe") or batched only with equal lengths ("unsafe"), and why."""
+        shown: dict[str, object] = {
+            "sequence_axis": self.sequence_axis,
+            "max_sequence_length": self.max_sequence_length or None,
+        }
         shown |= {f"vocab_size.{name}": size for name, size in self.vocab_size.items()}
+        if self.padding_source:
+            shown |= {
+                "batching.padding": "safe" if self.pads else "unsafe",
+                "batching.padding.source": self.padding_source,
+            }
         return {key: str(value) for key, value in shown.items() if value is not None}
 
     def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
@@ -377,19 +505,10 @@ class TensorModel:
         """Free the sessions (after `close`): their memory goes when the last reference does."""
         self.runtime.sessions.clear()
 
-    def _feeds(self, rows: int, length: int) -> dict[str, np.ndarray]:
-        feeds = {}
-        for s in self.inputs:
-            dims = [d if d >= 0 else 1 for d in s.shape]
-            if self.batchable:
-                dims[0] = rows
-            if self._on_sequence_axis(s):
-                dims[self.sequence_axis] = length  # type: ignore[index]
-            if s.datatype == "BYTES":  # "1": a string a graph may also parse as a number
-                feeds[s.name] = np.full(dims, "1", dtype=np.object_)
-            else:
-                feeds[s.name] = np.ones(dims, dtype=NUMPY_DTYPES[s.datatype])  # id 1 and mask 1: valid anywhere
-        return feeds
+    def _feeds(self, rows: int, length: int, seed: int | None = None) -> dict[str, np.ndarray]:
+        """Warm-up inputs read from the graph (service/models/warmup.py): `seed`, or the one warm-up chose."""
+        chosen = self.feed_seed if seed is None or self.feed_seed is None else seed
+        return graph_feeds(self.inputs, rows, length, self.batchable, self._seq_names, self.vocab_size, chosen)
 
     def _batch_of(self, length: int, rows: int) -> None:
         """One batch of `rows` one-row requests through the batch step (stacking, onnxruntime, splitting)."""
@@ -397,7 +516,9 @@ class TensorModel:
         names = [o.name for o in self.outputs]
         unused = cast("asyncio.Future[Any]", None)  # the batch step reads payloads only
         item = partial(WorkItem, rows=1, length=self._length(one), payload=(one, names, self._group(one)))
-        self._run_batch([item(future=unused) for _ in range(rows)], 0)
+        for result in self._run_batch([item(future=unused) for _ in range(rows)], 0):
+            if isinstance(result, ServingError):
+                raise result  # the warm-up's own inputs: the graph cannot run batches
 
     def _length(self, feeds: dict[str, np.ndarray]) -> int:
         """A request's length: along the sequence axis; 1 without one, so that its tokens are its rows (1
@@ -430,13 +551,13 @@ class TensorModel:
         return InputLimits()
 
     def _group(self, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
-        """Requests batch together when all their dims but batch (and sequence) agree."""
+        """Requests batch together when all their dims but batch (and sequence, when padding is safe) agree."""
         key = []
         for s in self.inputs:
             if s.name not in feeds:  # an optional input left out: batched with requests that left it out too
                 continue
             dims = list(feeds[s.name].shape[1:])
-            if self.sequence_axis is not None and self._on_sequence_axis(s):
+            if self.sequence_axis is not None and self.pads and self._on_sequence_axis(s):
                 dims[self.sequence_axis - 1] = -1
             key.append((s.name, tuple(dims)))
         return tuple(key)
@@ -465,6 +586,16 @@ class TensorModel:
             if a is not None and a.size and _outside(a, size):
                 bad = int(a.min()) if a.min() < 0 else int(a.max())
                 raise InvalidArgument(f"input '{name}': token id {bad} outside the vocabulary [0, {size})")
+        for name, (low, high) in self.value_range.items():
+            a = feeds.get(name)
+            if a is None or not a.size or a.dtype.kind not in "biuf":
+                continue
+            smallest, largest = a.min(), a.max()
+            if smallest < low or largest > high:
+                bad = smallest if smallest < low else largest
+                raise InvalidArgument(
+                    f"input '{name}': value {bad:g} outside the range [{low:g}, {high:g}] of limits.value_range"
+                )
         return length
 
     async def infer(
@@ -512,21 +643,48 @@ class TensorModel:
         # is reported, rather than the 1 they are counted by (docs/design.md, "Metrics": `seq_len`).
         return Result(result, length if self.sequence_axis is not None else 0, tokens, 0)
 
-    def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
-        """Runs on an instance thread: pad, concatenate, run once, split back per request."""
+    def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
+        """Runs on an instance thread: pad, concatenate, run once, split back per request (a request that fails
+        gets its error, the others their answers)."""
         groups: dict[Any, list[int]] = {}
         for i, x in enumerate(items):
             groups.setdefault(x.payload[2], []).append(i)
-        results: list[dict[str, np.ndarray]] = [{} for _ in items]
+        results: list[dict[str, np.ndarray] | ServingError] = [{} for _ in items]
         for index in groups.values():
             part = [items[i] for i in index]
             for i, r in zip(index, self._run_group(part, instance), strict=True):
                 results[i] = r
         return results
 
-    def _run_group(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+    def _run_group(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
+        """The group's answers; a request that onnxruntime fails on gets its error, the others their answers."""
         if not self.batchable:  # no batch axis: nothing to stack or cut, each request is a batch of its own
-            return [self._run_alone(x, instance) for x in items]
+            return [self._isolated([x], instance, self._run_alone)[0] for x in items]
+        return self._isolated(items, instance, self._run_stacked)
+
+    def _isolated(
+        self, items: list[WorkItem], instance: int, run: Callable[[list[WorkItem], int], list[dict[str, np.ndarray]]]
+    ) -> list[dict[str, np.ndarray] | ServingError]:
+        """`run(items, instance)`; where onnxruntime fails on the batch, its halves run apart, and theirs, down
+        to the request(s) that fail alone: those get INVALID_ARGUMENT with onnxruntime's message (the model ran
+        at warm-up, and its batch-mates run: the fault is in the request's inputs), the others their answers.
+        One bad request among n costs some 2 log2(n) more runs, once."""
+        try:
+            return cast("list[dict[str, np.ndarray] | ServingError]", run(items, instance))
+        except ServingError as e:
+            return [e] * len(items)
+        except Exception as e:  # onnxruntime's own exception types
+            if len(items) == 1:
+                self.observer.computation_failed("request")
+                log.warning("model '%s': a request failed alone: %s", self.name, e)
+                return [_failed_alone(self.name, e)]
+            self.observer.computation_failed("batch")
+            log.warning("model '%s': a batch of %d requests failed (%s): retried in halves", self.name, len(items), e)
+            half = len(items) // 2
+            return [*self._isolated(items[:half], instance, run), *self._isolated(items[half:], instance, run)]
+
+    def _run_stacked(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+        """The group's requests stacked into one batch (padded along the sequence axis), run once, cut back."""
         t0 = time.perf_counter_ns()
         longest = max(x.length for x in items)
         feeds = {}
@@ -553,12 +711,14 @@ class TensorModel:
         self.stats.executed(sum(x.rows for x in items), time.perf_counter_ns() - t0)
         return out
 
-    def _run_alone(self, item: WorkItem, instance: int) -> dict[str, np.ndarray]:
+    def _run_alone(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray]]:
+        """One request (`items` holds one) run as it came, without a batch axis."""
+        (item,) = items
         t0 = time.perf_counter_ns()
         wanted = [o.name for o in self.outputs if o.name in item.payload[1]]
         arrays = self.runtime.run(instance, item.payload[0], wanted)
         self.stats.executed(1, time.perf_counter_ns() - t0)
-        return dict(zip(wanted, arrays, strict=True))
+        return [dict(zip(wanted, arrays, strict=True))]
 
 
 # Words counted on the raw bytes, before any is decoded or normalized (count_words): whitespace as

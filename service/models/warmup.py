@@ -1,130 +1,96 @@
-"""A Triton config's `model_warmup` samples, run on every instance before the model reports ready.
+"""Inputs for a tensor model's warm-up and padding check, read from the graph: its inputs' names,
+datatypes and shapes are all that is known of a model served without a config.json.
 
-Each sample (Triton's ModelWarmup, in its JSON form) names its inputs, each `zero_data`, `random_data` or
-`input_data_file` (a file in the model's `warmup/` directory: raw row-major values; for TYPE_STRING each
-element a 4-byte little-endian length, then its bytes), with its `dims`; a batching model gets
-`batch_size` rows of it (default 1). Each runs `count` times (default 1) on each instance's session. A
-sample that cannot be read or run stops the load, naming it, as in Triton. This is the config's
-alternative to the warm-up each kind does from its graph (TensorModel.warm_up): both run.
+Each dynamic dimension gets a size from its symbolic name, as the exporters write them:
+
+- a name with `past` in it (`past_sequence_length`, optimum's past key values) is 0: no past, the first
+  step of a decoder, which every decoder with past accepts;
+- the model's sequence axis (config.json `sequence_axis`) is the length asked for;
+- any other is 1, and a sum of names (`past_sequence_length + sequence_length`, an attention mask over
+  past and new positions) is the sum of their sizes, so that it agrees with the inputs it spans.
+
+The values are read from each input's name: a mask is ones, position ids count 0, 1, 2 ..., token type
+ids are zeros, other integers are token ids inside the vocabulary (`limits.vocab_size`, or ids below 4 when
+none is declared), floats are drawn in [-1, 1), a BOOL flag is true (false for a `use_cache_branch`:
+there is no past). `plain` falls back to zeros for every id and float, for a graph that takes no other.
+
+A caller that knows better (config.json's warm-up samples) builds its own feeds: `graph_feeds` is only
+the default.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
-from service.datatypes import NUMPY_DTYPES, decode_bytes
-from service.errors import ServingError
-from service.repository.layout import RepositoryError
+from service.datatypes import NUMPY_DTYPES
+from service.models.runtime import TensorSpec
 
-__all__ = ["MAX_SAMPLE_ELEMENTS", "run_warmup_samples", "sample_inputs", "warm_up_with_samples"]
+__all__ = ["ID_CEILING", "dimension", "graph_feeds", "input_values"]
 
-log = logging.getLogger("qkv.models")
-
-MAX_SAMPLE_ELEMENTS = 1 << 26  # one input of one sample: 64 Mi elements, bounded before it is made
-MAX_COUNT = 1000
+ID_CEILING = 4  # token ids below this, where no vocabulary is declared: inside any real one
 
 
-class _Runtime(Protocol):
-    sessions: Sequence[Any]
-
-    def run(
-        self, instance: int, feeds: dict[str, np.ndarray], outputs: list[str] | None = None
-    ) -> list[np.ndarray]: ...
-
-
-def _datatype(name: str) -> str:
-    return "BYTES" if name == "TYPE_STRING" else name.removeprefix("TYPE_")
-
-
-def _input(name: str, raw: Mapping[str, Any], rows: int | None, directory: Path, at: str) -> np.ndarray:
-    """One input of a sample: `rows` rows of `dims` (rows None: no batch axis)."""
-    datatype = _datatype(str(raw.get("data_type", "TYPE_INVALID")))
-    if datatype not in NUMPY_DTYPES:
-        raise RepositoryError(f"{at}: data_type {raw.get('data_type')!r} is not a tensor type")
-    dims = [int(d) for d in raw.get("dims", [])]
-    if any(d < 0 for d in dims):
-        raise RepositoryError(f"{at}: dims {dims} must be fixed (>= 0) in a warm-up sample")
-    shape = ([rows] if rows is not None else []) + dims
-    count = int(np.prod(shape, dtype=np.int64))
-    if count > MAX_SAMPLE_ELEMENTS:
-        raise RepositoryError(f"{at}: {count:,} elements, the limit is {MAX_SAMPLE_ELEMENTS:,}")
-    dtype = NUMPY_DTYPES[datatype]
-    if "input_data_file" in raw:
-        path = (directory / "warmup" / str(raw["input_data_file"])).resolve()
-        if path.parent != (directory / "warmup").resolve():
-            raise RepositoryError(f"{at}: input_data_file must name a file in the model's warmup/ directory")
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise RepositoryError(f"{at}: cannot read input_data_file {path.name}: {e}") from None
-        one = int(np.prod(dims, dtype=np.int64))
-        if datatype == "BYTES":
-            try:
-                values = decode_bytes(data, one, name)
-            except ServingError as e:
-                raise RepositoryError(f"{at}: input_data_file {path.name}: {e}") from None
-        else:
-            want = one * np.dtype(dtype).itemsize
-            if len(data) != want:
-                raise RepositoryError(f"{at}: input_data_file {path.name} holds {len(data)} bytes, dims need {want}")
-            values = np.frombuffer(data, dtype=dtype)
-        return np.broadcast_to(values.reshape(dims), shape).copy()
-    if raw.get("random_data"):
-        rng = np.random.default_rng(0)
-        if datatype == "BYTES":
-            return rng.integers(0, 10, size=shape).astype(str).astype(np.bytes_).astype(np.object_)
-        if datatype == "BOOL":
-            return rng.integers(0, 2, size=shape).astype(bool)
-        if np.dtype(dtype).kind == "f":
-            return rng.random(size=shape).astype(dtype)
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    # zero_data, Triton's default
-    if datatype == "BYTES":
-        return np.full(shape, b"", dtype=np.object_)
-    return np.zeros(shape, dtype=dtype)
+def dimension(symbol: str | None, length: int, sequence: AbstractSet[str | None]) -> int:
+    """The size of one dynamic dimension named `symbol`: `length` for a name of the sequence axis (in
+    `sequence`), 0 for a past, 1 for any other; a sum of names is the sum of their sizes."""
+    if symbol is None:
+        return 1
+    total = 0
+    for term in (t.strip() for t in symbol.split("+")):
+        if term.isdigit():
+            total += int(term)
+        elif term in sequence:
+            total += length
+        elif "past" not in term.lower():
+            total += 1
+    return total
 
 
-def sample_inputs(sample: Mapping[str, Any], batched: bool, directory: Path, where: str) -> dict[str, np.ndarray]:
-    """A sample's inputs, as arrays."""
-    at = f"{where}: model_warmup '{sample.get('name', '')}'"
-    rows = int(sample.get("batch_size", 1) or 1) if batched else None
-    inputs = sample.get("inputs", {})
-    if not inputs:
-        raise RepositoryError(f"{at}: a warm-up sample needs inputs")
-    return {name: _input(name, raw, rows, directory, f"{at} input '{name}'") for name, raw in inputs.items()}
+def input_values(spec: TensorSpec, shape: Sequence[int], rng: np.random.Generator | None, vocab: int = 0) -> np.ndarray:
+    """Values for input `spec` of `shape`, by its name and datatype (module docstring); `rng` None: plain."""
+    name = spec.name.lower()
+    if spec.datatype == "BYTES":  # "1": a string a graph may also parse as a number
+        return np.full(shape, "1", dtype=np.object_)
+    dtype = NUMPY_DTYPES[spec.datatype]
+    if spec.datatype == "BOOL":
+        return np.full(shape, "cache" not in name, dtype=np.bool_)
+    if "mask" in name:
+        return np.ones(shape, dtype=dtype)
+    integer = np.dtype(dtype).kind in "iu"
+    if integer and "position" in name and len(shape) >= 1:
+        return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+    if integer and ("token_type" in name or "segment" in name):
+        return np.zeros(shape, dtype=dtype)
+    if rng is None:
+        return np.zeros(shape, dtype=dtype)
+    if integer:
+        high = vocab if vocab > 0 else ID_CEILING
+        return rng.integers(1 if high > 1 else 0, high, size=shape).astype(dtype)
+    return rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
 
 
-def warm_up_with_samples(model: Any, samples: Sequence[Mapping[str, Any]], directory: Path) -> int:
-    """The config's samples on a model's runtime (a tensor model's); 0 runs for a kind without one."""
-    runtime = getattr(model, "runtime", None)
-    if not samples or runtime is None or not hasattr(runtime, "sessions"):
-        return 0
-    where = f"model '{model.name}' version {model.version}"
-    return run_warmup_samples(runtime, samples, model.max_batch_size > 0, directory, where)
-
-
-def run_warmup_samples(
-    runtime: _Runtime, samples: Sequence[Mapping[str, Any]], batched: bool, directory: Path, where: str
-) -> int:
-    """Run each sample `count` times on each of `runtime`'s sessions; returns the runs made."""
-    runs = 0
-    for sample in samples:
-        feeds = sample_inputs(sample, batched, directory, where)
-        count = min(int(sample.get("count", 1) or 1), MAX_COUNT)
-        for instance in range(len(runtime.sessions)):
-            for _ in range(count):
-                try:
-                    runtime.run(instance, feeds)
-                except Exception as e:  # onnxruntime's own exception types
-                    raise RepositoryError(
-                        f"{where}: model_warmup '{sample.get('name', '')}' failed on instance {instance}: {e}"
-                    ) from None
-                runs += 1
-    if runs:
-        log.info("%s: %d warm-up run(s) of the config's model_warmup samples", where, runs)
-    return runs
+def graph_feeds(
+    specs: Sequence[TensorSpec],
+    rows: int,
+    length: int,
+    batch_axis: bool,
+    sequence: AbstractSet[str | None],
+    vocab: dict[str, int] | None = None,
+    seed: int | None = 0,
+) -> dict[str, np.ndarray]:
+    """One request's feeds: `rows` rows (when the model has a batch axis) of `length` along the sequence axis
+    (the dimensions named in `sequence`); `seed` None: the plain values (zeros for ids and floats)."""
+    rng = None if seed is None else np.random.default_rng(seed)
+    feeds = {}
+    for s in specs:
+        shape = [
+            d if d >= 0 else dimension(s.axes[i] if i < len(s.axes) else None, length, sequence)
+            for i, d in enumerate(s.shape)
+        ]
+        if batch_axis and shape:
+            shape[0] = rows
+        feeds[s.name] = input_values(s, shape, rng, (vocab or {}).get(s.name, 0))
+    return feeds

@@ -139,6 +139,12 @@ class Metrics:
         self.dropped = Counter(
             "qkv_dropped_requests", "Requests dropped before compute", ["model", "version", "reason"], registry=r
         )
+        self.failed_computations = Counter(
+            "qkv_failed_computations",
+            "Runs that failed in the runtime: a batch of several requests (retried in parts), or a request alone",
+            ["model", "version", "scope"],
+            registry=r,
+        )
         # Apart from qkv_requests_total, which counts the inference requests of both protocols as before.
         self.http_requests = Counter(
             "qkv_http_requests",
@@ -195,8 +201,8 @@ class Metrics:
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
-            self.dropped, self.batching_setting, self.ensemble_steps, self.ensemble_step_duration,
-            self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
+            self.dropped, self.failed_computations, self.batching_setting, self.ensemble_steps,
+            self.ensemble_step_duration, self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -304,6 +310,9 @@ class ModelObserver:
 
     def dropped(self, reason: str) -> None:
         self._dropped[reason].inc()
+
+    def computation_failed(self, scope: str) -> None:
+        self._metrics.failed_computations.labels(*self._labels, scope).inc()
 
     def step(self, position: int, step_model: str, code: str, seconds: float) -> None:
         """One step of an ensemble request ended with `code` after `seconds`."""

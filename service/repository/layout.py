@@ -33,7 +33,7 @@ from service.repository.triton_config import (
     read_pbtxt,
     translate,
 )
-from service.scheduling.config import BatchingConfig
+from service.scheduling.config import PADDING, BatchingConfig
 from service.scheduling.priorities import Priorities
 from service.scheduling.sequence_config import SequenceConfig, SequenceConfigError, parse_sequence_batching
 
@@ -256,7 +256,7 @@ TRITON_FIELDS = frozenset({
     "model_repository_agents",
 })  # fmt: skip
 LIMITS = {
-    "tensor": ("max_sequence_length", "vocab_size"),
+    "tensor": ("max_sequence_length", "vocab_size", "value_range"),
     "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
     "ensemble": (),
 }
@@ -299,8 +299,26 @@ def _limits(raw: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
                     f"{where}: limits.vocab_size must be a JSON object of input name -> size, got {_shown(value)}"
                 )
             out[key] = {k: _typed_value("int", v, f"limits.vocab_size.{k}", where) for k, v in value.items()}
+        elif key == "value_range":
+            out[key] = _value_ranges(value, where)
         else:
             out[key] = _typed_value("int", value, f"limits.{key}", where)
+    return out
+
+
+def _value_ranges(raw: Any, where: str) -> dict[str, tuple[float, float]]:
+    """limits.value_range: input name -> [lowest, highest], two numbers in order."""
+    if not isinstance(raw, dict):
+        raise RepositoryError(f"{where}: limits.value_range must be a JSON object of input name -> [lowest, highest], "
+                              f"got {_shown(raw)}")  # fmt: skip
+    out = {}
+    for name, bounds in raw.items():
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_finite, bounds)) and bounds[0] <= bounds[1]):
+            raise RepositoryError(
+                f"{where}: limits.value_range.{name} must be [lowest, highest], two numbers in order, "
+                f"got {_shown(bounds)}"
+            )
+        out[name] = (float(bounds[0]), float(bounds[1]))
     return out
 
 
@@ -358,6 +376,10 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     if not isinstance(raw.get("batching", {}), dict):
         raise RepositoryError(f"{at}: batching must be a JSON object, got {_shown(raw['batching'])}")
     batching = _typed(BatchingConfig, raw.get("batching", {}), at, "batching.")
+    if batching.get("padding", PADDING[0]) not in PADDING:
+        raise RepositoryError(
+            f"{at}: batching.padding must be one of {', '.join(PADDING)}, got {_shown(batching['padding'])}"
+        )
     if "max_batch_size" in raw:
         batching.setdefault("max_batch_size", _typed_value("int", raw["max_batch_size"], "max_batch_size", at))
     settings: dict[str, Any] = {

@@ -283,7 +283,9 @@ class DynamicBatcher:
                 continue
             c = self.config
             max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
-            items = self._take(self.select(self.queue, max_rows, c.token_budget, c.length_aware, c.max_padding))
+            # padding "unsafe": no padding at all, so only requests of the oldest's length go with it
+            aware, padding = (True, 0.0) if c.padding == "unsafe" else (c.length_aware, c.max_padding)
+            items = self._take(self.select(self.queue, max_rows, c.token_budget, aware, padding))
             alone = self._alone(items)
             task = asyncio.create_task(self._run(items, self._idle.pop(), alone))
             self._running.add(task)

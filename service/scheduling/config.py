@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BatchingConfig"]
+__all__ = ["PADDING", "BatchingConfig"]
+
+# Tensor models with a sequence axis: whether requests of different lengths may be padded into one batch.
+PADDING = ("check", "safe", "unsafe")
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class BatchingConfig:
     token_budget: int = 8192  # rows x padded length of one batch
     length_aware: bool = True  # group requests of similar length (False: plain FIFO, pad to longest)
     max_padding: float = 0.1  # length-aware: the padded share a batch may reach
+    padding: str = "check"  # PADDING: checked at load, trusted ("safe"), or never ("unsafe": equal lengths only)
     max_queue_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED at once
     max_queue_tokens: int = 32768  # queued tokens beyond which new work is refused
     max_queue_wait_ms: float = 1000.0  # refuse work whose predicted wait (queued tokens / measured rate) is longer

@@ -24,7 +24,7 @@ from service import priority
 from service.errors import Internal, ServingError, Unavailable
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
-from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel
+from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel, beam_search
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import BatchSpan, Tracing
@@ -360,13 +360,10 @@ class GenerationScheduler:
                 rows, real = len(batch), int(batch.memory_mask.sum())
                 padded = batch.memory_mask.size
                 finished = batch.step()
-            except Exception as e:  # fail every request in this batch, keep serving
-                log.error("model '%s': decoding batch failed: %s", self.name, e)
-                failed = {id(h.tag[0]): h.tag[0] for h in [*batch.rows, *new]}
-                for item in failed.values():
-                    self._resolve(item, error=Internal(f"model '{self.name}' failed on this batch: {e}"))
+            except Exception as e:  # the batch's requests decoded again one at a time: only the one at fault fails
                 if joining is not None:
                     joining.close(len(batch), 0, 0)
+                self._isolate(model, [*batch.rows, *new], e)
                 batch = DecodingBatch(model)
                 continue
             seconds = time.monotonic() - start
@@ -379,6 +376,31 @@ class GenerationScheduler:
             self.observer.batch(rows, padded, real, seconds)
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=self._full(rows))
+
+    def _isolate(self, model: StepModel, rows: list[Hypothesis], error: Exception) -> None:
+        """A decoding step failed: each request that had words in the batch decodes all its words again, alone,
+        and is answered; one whose words still fail gets the error. The others are not failed with it."""
+        items = list({id(h.tag[0]): h.tag[0] for h in rows}.values())
+        log.warning("model '%s': a decoding batch of %d requests failed (%s): each decoded alone", self.name,
+                    len(items), error)  # fmt: skip
+        if len(items) > 1:
+            self.observer.computation_failed("batch")
+        for item in items:
+            req: WordsRequest = item.payload
+            req.results, req.remaining = [None] * len(req.sources), len(req.sources)
+            alone = DecodingBatch(model)
+            try:
+                alone.add([Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
+                           for j, src in enumerate(req.sources)])  # fmt: skip
+                finished: list[Hypothesis] = []
+                while len(alone):
+                    finished += alone.step()
+            except Exception as e:
+                self.observer.computation_failed("request")
+                log.error("model '%s': a request's words failed to decode alone: %s", self.name, e)
+                self._resolve(item, error=Internal(f"model '{self.name}' failed on this request's words: {e}"))
+                continue
+            self._finish(finished)
 
     def _full(self, rows: int) -> bool:
         """Under the lock: whether a step of `rows` ran at capacity, words waiting that could not join it.
@@ -403,7 +425,7 @@ class GenerationScheduler:
         try:
             search = BeamSearch(model, sources, k, limit, 1, 2, any(req.with_attention for req in reqs))
         except Exception as e:
-            self._beams_failed(items, span, rows, padded, real, e)
+            self._beams_failed(model, items, span, rows, padded, real, e)
             return None
         return _Beams(search, items, owners, rows, padded, real, span, time.monotonic() - start)
 
@@ -415,7 +437,7 @@ class GenerationScheduler:
         try:
             done = beams.search.step()
         except Exception as e:
-            self._beams_failed(beams.items, beams.span, beams.rows, beams.padded, beams.real, e)
+            self._beams_failed(beams.search.model, beams.items, beams.span, beams.rows, beams.padded, beams.real, e)
             return None
         seconds = time.monotonic() - start
         beams.seconds += seconds
@@ -432,13 +454,38 @@ class GenerationScheduler:
         return None
 
     def _beams_failed(
-        self, items: list[WorkItem], span: BatchSpan | None, rows: int, padded: int, real: int, e: Exception
+        self,
+        model: StepModel,
+        items: list[WorkItem],
+        span: BatchSpan | None,
+        rows: int,
+        padded: int,
+        real: int,
+        e: Exception,
     ) -> None:
-        log.error("model '%s': beam search failed: %s", self.name, e)
-        error = Internal(f"model '{self.name}' failed on this request: {e}")
-        self._resolve_all([(x, None, error) for x in items])  # those already answered keep their answer
+        """A beam search failed: each of its requests not yet answered searches again alone, and only one whose
+        words still fail gets the error."""
         if span is not None:
             span.close(rows, padded, real)
+        pending = [x for x in items if x.payload.remaining > 0]  # those already answered keep their answer
+        log.warning("model '%s': a beam search of %d requests failed (%s): each searched alone", self.name,
+                    len(pending), e)  # fmt: skip
+        if len(pending) > 1:
+            self.observer.computation_failed("batch")
+        for item in pending:
+            req: WordsRequest = item.payload
+            try:
+                hyps = beam_search(model, req.sources, req.beam_size, req.max_output_length,
+                                   with_attention=req.with_attention)  # fmt: skip
+            except Exception as alone:
+                self.observer.computation_failed("request")
+                log.error("model '%s': a request's beam search failed alone: %s", self.name, alone)
+                self._resolve(item, error=Internal(f"model '{self.name}' failed on this request's words: {alone}"))
+                continue
+            req.results, req.remaining = [None] * len(req.sources), len(req.sources)
+            for j, h in enumerate(hyps):
+                h.tag = (item, j)
+            self._finish(hyps)
 
     async def close(self) -> None:
         """Refuse new work; let the threads finish what they hold, then stop them."""

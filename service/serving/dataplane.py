@@ -121,7 +121,8 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        return not self.draining
+        """Not draining; and, with --strict-readiness (the default), every model loaded or tried is ready."""
+        return not self.draining and (not self.settings.strict_readiness or not self.registry.unavailable())
 
     def server_info(self) -> ServerInfo:
         return ServerInfo(self.settings.server_name, __version__, EXTENSIONS)

@@ -38,7 +38,7 @@ from service.errors import InvalidArgument, NotFound, ServingError, Unavailable,
 from service.models.catalog import BATCHING_SHOWN, Context, ServedVersion, Steps, build
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
-from service.models.warmup import warm_up_with_samples
+from service.models.warmup_samples import warm_up_with_samples
 from service.observability.metrics import Metrics
 from service.repository.layout import (
     ModelConfig,
@@ -71,6 +71,7 @@ log = logging.getLogger("qkv.registry")
 
 Model = ServedVersion  # of any kind (service/models/catalog.py)
 READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"
+UNLOADED = "unloaded"  # the reason of a model unloaded on request: not counted against readiness
 
 
 class LoadFailed(InvalidArgument):
@@ -163,6 +164,7 @@ class ModelRegistry:
         self.root = Path(settings.model_repository)
         self.cache = cache  # a leaving version's kept answers go with it
         self.mode = settings.model_control_mode
+        self.exit_on_error = settings.exit_on_error
         self.poll_seconds = settings.repository_poll_secs
         self.metrics = metrics
         self.providers = choose_providers(settings.device)
@@ -233,7 +235,8 @@ class ModelRegistry:
     # Changes.
 
     async def start(self) -> None:
-        """The models served from the start; any that fails to load stops the start."""
+        """The models served from the start. One that fails to load stops the start (--exit-on-error, Triton's
+        default); with --no-exit-on-error it is UNAVAILABLE, the index and the log say why, and the others serve."""
         names = list(model_directories(self.root)) if "*" in self.initial else list(self.initial)
         if self.mode != "explicit" and not names:
             raise RepositoryError(f"model repository {self.root} holds no models")
@@ -242,13 +245,19 @@ class ModelRegistry:
                 continue  # loaded already, as a step of an ensemble loaded before it
             try:
                 await self.load(name)
-            except LoadFailed as e:
-                raise RepositoryError(e.detail) from None
             except ServingError as e:
-                raise RepositoryError(e.message) from None
+                detail = e.detail if isinstance(e, LoadFailed) else e.message
+                if self.exit_on_error:
+                    raise RepositoryError(detail) from None
+                log.error("model '%s' is UNAVAILABLE: %s (--exit-on-error false: the others serve)", name, detail)
         self.started = True
         if self.mode == "poll":
             self._poller = asyncio.create_task(self._poll())
+
+    def unavailable(self) -> list[str]:
+        """The models loaded or tried (and not unloaded since) without a version taking requests: their loads
+        failed, or are under way. --strict-readiness makes the server ready only when there are none."""
+        return sorted(name for name, s in self.models.items() if not s.versions and s.reason != UNLOADED)
 
     async def load(self, name: str, raw: dict[str, Any] | None = None, _loading: tuple[str, ...] = ()) -> None:
         """Load `name` (or reload it: versions whose files and config are unchanged are kept as they are).
@@ -374,7 +383,7 @@ class ModelRegistry:
     async def _unload(self, served: ServedModel, name: str) -> None:
         leaving = list(served.versions.values())
         served.versions, served.prints = {}, {}
-        served.reason = "unloaded"
+        served.reason = UNLOADED
         served.states = {m.version: VersionState(name, m.version, UNLOADING) for m in leaving}
         await self._notify(name, False)
         await self._retire(served, leaving)

@@ -25,6 +25,7 @@ class Recorder:
     def __init__(self) -> None:
         self.batches: list[tuple[int, int, int]] = []  # rows, padded tokens, real tokens
         self.drops: list[str] = []
+        self.failures: list[str] = []  # computation_failed's scopes
 
     def queue_depth(self, requests: int) -> None: ...
     def waited(self, seconds: float) -> None: ...
@@ -34,6 +35,9 @@ class Recorder:
 
     def dropped(self, reason: str) -> None:
         self.drops.append(reason)
+
+    def computation_failed(self, scope: str) -> None:
+        self.failures.append(scope)
 
 
 async def until(condition: Any, what: str = "the condition", timeout: float = 60.0) -> None:

@@ -6,14 +6,12 @@ HTTP binary); every answer is compared to onnxruntime run in process on the same
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as g
@@ -25,7 +23,8 @@ from service.models.kinds import has_batch_axis
 from service.models.runtime import TensorSpec
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.config import BatchingConfig
-from tests.conftest import RunningServer, start_server, stop_server
+from tests.conftest import RunningServer
+from tests.service.onnx_models import save_graph, serving
 
 NO_BATCH = ("nobatch", "nobatch_auto")  # [3, 4, 4] -> [10]: max_batch_size 0 in config.json, and none
 WIDTH = 16  # Triton's simple_string: two BYTES [batch, 16] inputs of decimal strings
@@ -33,21 +32,11 @@ WIDTH = 16  # Triton's simple_string: two BYTES [batch, 16] inputs of decimal st
 ENCODINGS = ("grpc", "http-json", "http-binary")
 
 
-def _save(graph: onnx.GraphProto, directory: Path, config: dict[str, Any] | None = None) -> None:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    (directory / "1").mkdir(parents=True)
-    onnx.save(model, str(directory / "1" / "model.onnx"))
-    if config is not None:
-        (directory / "config.json").write_text(json.dumps(config))
-
-
 def _identity(directory: Path) -> None:
     """TEXT BYTES [batch, n] -> OUT, the same strings."""
     x = helper.make_tensor_value_info("TEXT", TensorProto.STRING, ["batch", "n"])
     y = helper.make_tensor_value_info("OUT", TensorProto.STRING, ["batch", "n"])
-    _save(helper.make_graph([helper.make_node("Identity", ["TEXT"], ["OUT"])], "identity", [x], [y]), directory)
+    save_graph(helper.make_graph([helper.make_node("Identity", ["TEXT"], ["OUT"])], "identity", [x], [y]), directory)
 
 
 def _simple_string(directory: Path) -> None:
@@ -66,7 +55,7 @@ def _simple_string(directory: Path) -> None:
         helper.make_node("Add", ["a", "one"], ["PLUS1"]),
     ]
     one = helper.make_tensor("one", TensorProto.INT64, [], [1])
-    _save(helper.make_graph(nodes, "simple_string", inputs, outputs, [one]), directory)
+    save_graph(helper.make_graph(nodes, "simple_string", inputs, outputs, [one]), directory)
 
 
 def _densenet_like(directory: Path, config: dict[str, Any] | None) -> None:
@@ -79,7 +68,7 @@ def _densenet_like(directory: Path, config: dict[str, Any] | None) -> None:
         helper.make_node("MatMul", ["means", "w"], ["y"]),
     ]
     weights = helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel().tolist())
-    _save(helper.make_graph(nodes, "densenet_like", [x], [y], [weights]), directory, config)
+    save_graph(helper.make_graph(nodes, "densenet_like", [x], [y], [weights]), directory, config)
 
 
 def _centred(directory: Path) -> None:
@@ -91,7 +80,7 @@ def _centred(directory: Path) -> None:
         helper.make_node("ReduceMean", ["x"], ["mean"], axes=[0], keepdims=1),
         helper.make_node("Sub", ["x", "mean"], ["y"]),
     ]
-    _save(helper.make_graph(nodes, "centred", [x], [y]), directory, {"max_batch_size": 0, "instances": 1})
+    save_graph(helper.make_graph(nodes, "centred", [x], [y]), directory, {"max_batch_size": 0, "instances": 1})
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +96,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(repo: Path) -> Iterator[RunningServer]:
-    s = start_server(["--model-repository", str(repo)], repo.parent / "server.log")
-    yield s
-    stop_server(s)
-    assert "Traceback" not in s.output()
+    yield from serving(repo)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +201,9 @@ def test_a_graph_that_parses_its_strings_as_numbers_answers_the_right_numbers(
 
 def test_a_string_the_graph_cannot_parse_is_onnxruntimes_error_for_that_request_only(served: RunningServer) -> None:
     bad = np.full((1, WIDTH), b"seven", dtype=np.object_)
-    status, _ = _refusal(served, "grpc", "simple_string", {"INPUT0": bad, "INPUT1": bad})
-    assert status == "StatusCode.INTERNAL"
+    status, message = _refusal(served, "grpc", "simple_string", {"INPUT0": bad, "INPUT1": bad})
+    assert status == "StatusCode.INVALID_ARGUMENT"  # it fails alone: its inputs are at fault
+    assert "model 'simple_string' cannot run on this request's inputs: " in message, message
     good = np.full((1, WIDTH), b"7", dtype=np.object_)
     answer = _infer(
         served, "grpc", "simple_string", {"INPUT0": good, "INPUT1": good}, dict.fromkeys(("INPUT0", "INPUT1"), "BYTES")

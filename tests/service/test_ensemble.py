@@ -134,7 +134,8 @@ def test_a_failing_step_fails_the_request_naming_the_step_and_its_model(served: 
     broken = np.array([[b"P3 8 8 255 " + b"x " * (3 * SIZE * SIZE)]], dtype=np.object_)
     with pytest.raises(InferenceServerException) as e:
         _grpc_scores(served, broken)
-    assert e.value.status() == "StatusCode.INTERNAL"  # onnxruntime's own error, as the step model answers it
+    # onnxruntime's own error, as the step model answers it: the request's inputs are at fault
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "ensemble 'a_image_ensemble' step 0 (model 'decode_ppm')" in str(e.value.message())
     # The server goes on answering.
     np.testing.assert_allclose(_grpc_scores(served, _files([_image(7)])), _expected([_image(7)]), rtol=1e-5, atol=1e-6)

@@ -258,7 +258,9 @@ def test_every_request_gets_a_designed_status_and_the_server_survives(fuzz_serve
         reply = stub.ModelInfer(g2p_request(["hello", "world"]), timeout=TIMEOUT)
         assert len(g2p_outputs(reply)["PHONEMES"]) == 2 and all(g2p_outputs(reply)["PHONEMES"])
         log = fuzz_server.output()
-        assert "Traceback" not in log and "failed on this batch" not in log, log[-3000:]
+        assert not any(w in log for w in ("Traceback", "failed on this batch", "failed alone", "retried in halves")), (
+            log[-3000:]
+        )
     finally:
         channel.close()
     total = sum(SEEN.values())
@@ -296,7 +298,9 @@ def test_every_request_on_a_stream_is_answered_once_with_a_designed_status(fuzz_
         check()
         assert fuzz_server.process.poll() is None
         log = fuzz_server.output()
-        assert "Traceback" not in log and "failed on this batch" not in log, log[-3000:]
+        assert not any(w in log for w in ("Traceback", "failed on this batch", "failed alone", "retried in halves")), (
+            log[-3000:]
+        )
     finally:
         channel.close()
     print(f"\nstream fuzz: {sum(codes.values())} requests, codes {dict(codes)}")

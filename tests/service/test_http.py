@@ -501,7 +501,7 @@ def bad_requests() -> list[tuple[str, str, bytes, dict[str, str], int, str]]:
             400,
             "raw contents are 16 bytes",
         ),
-        ("over --max-message-bytes", g2p, b" " * (MAX_BYTES + 1), {}, 413, "the limit is 1,048,576"),
+        ("over --max-message-bytes", g2p, b" " * (MAX_BYTES + 1), {}, 413, "1,048,576 (--max-message-bytes)"),
         ("generate without text", "/v2/models/g2p/generate", b'{"text": "hi"}', {}, 400, '"text_input"'),
         (
             "generate_stream too long",

@@ -308,8 +308,8 @@ def test_a_runtime_failure_fails_only_its_batch_and_the_server_keeps_serving(rep
             assert gathered(reply).tolist() == [[10.0, 20.0, 90.0]]
             with pytest.raises(grpc.RpcError) as e:
                 stub.ModelInfer(_gather([1, 20]), timeout=10)  # index 20 of a 10-entry table: onnxruntime fails
-            assert e.value.code() == grpc.StatusCode.INTERNAL
-            assert "model 'gather' failed on this batch" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # it fails alone: its inputs are at fault
+            assert "model 'gather' cannot run on this request's inputs: " in e.value.details()
             assert gathered(stub.ModelInfer(_gather([3]), timeout=10)).tolist() == [[30.0]]
 
         async def mixed() -> list[str]:
@@ -326,14 +326,14 @@ def test_a_runtime_failure_fails_only_its_batch_and_the_server_keeps_serving(rep
                 return list(await asyncio.gather(*(one(i) for i in range(40))))
 
         outcomes = asyncio.run(mixed())
-        assert [o for i, o in enumerate(outcomes) if i % 4 == 0] == ["INTERNAL"] * 10
-        assert [o for i, o in enumerate(outcomes) if i % 4] == ["OK"] * 30  # each of its own batch: unaffected
+        assert [o for i, o in enumerate(outcomes) if i % 4 == 0] == ["INVALID_ARGUMENT"] * 10
+        assert [o for i, o in enumerate(outcomes) if i % 4] == ["OK"] * 30  # a batch-mate's failure: retried apart
         with grpc.insecure_channel(s.url) as ch:  # the other models never noticed
             request, expected = fixed_input()
             assert np.abs(hidden_state(protocol.Stub(ch).ModelInfer(request, timeout=30)) - expected).max() < 1e-4
         assert s.process.poll() is None
         log = s.output()
-        assert log.count("model 'gather': batch of 1 failed") == 11, log[-2000:]
+        assert log.count("model 'gather': a request failed alone") == 11, log[-2000:]
     finally:
         stop_server(s)
 

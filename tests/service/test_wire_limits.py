@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from service import protocol
 from service.frontends.wire_limits import WALKED_BYTES, infer_request_deserializer, over_limit
 from tests.conftest import RunningServer, start_server, stop_server
-from tests.service.test_any_onnx import _save
+from tests.service.onnx_models import save_graph as _save
 from tests.service.test_attacks import _field
 
 TENSOR = _field(1, b"x") + _field(2, b"FP32") + _field(3, b"\x01\x02")  # input x, FP32, shape [1, 2]
