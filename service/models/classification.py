@@ -31,21 +31,26 @@ def _shown(values: np.ndarray) -> list[str]:
 
 def _top(rows: np.ndarray, k: int) -> np.ndarray:
     """The indices of each row's k highest values, highest first, ties by index ([rows, k])."""
-    key = np.nan_to_num(rows.astype(np.float64), nan=-np.inf)  # NaN ranks last, as in a sort of the negated
+    key = rows
+    if key.dtype.kind == "f":
+        nan = np.isnan(key)
+        if nan.any():  # NaN ranks last, as in a sort of the negated values
+            key = np.where(nan, -np.inf, key)
     n = key.shape[1]
     if k < n:
-        # The k-th highest value of each row; every value above it is in, and of the values equal to it,
-        # the lowest indices fill the rest: exactly the classes a full stable sort would put first.
-        kth = -np.partition(-key, k - 1, axis=1)[:, k - 1 : k]
-        above = key > kth
-        tied = key == kth
-        room = k - above.sum(axis=1, keepdims=True)
-        chosen = above | (tied & (np.cumsum(tied, axis=1) <= room))
-        index = np.nonzero(chosen)[1].reshape(key.shape[0], k)  # row by row, in index order
+        index = np.argpartition(key, n - k, axis=1)[:, n - k :]  # the k highest, in no order
+        kth = np.take_along_axis(key, index, axis=1).min(axis=1, keepdims=True)
+        # Of the values equal to the k-th highest, a full stable sort keeps the lowest indices; the partition
+        # kept any. Where it left one of them out (a row with more ties than room), the row is chosen again.
+        short = (key == kth).sum(axis=1) != (np.take_along_axis(key, index, axis=1) == kth).sum(axis=1)
+        for r in np.flatnonzero(short):
+            above = np.flatnonzero(key[r] > kth[r])
+            index[r] = np.concatenate([above, np.flatnonzero(key[r] == kth[r])[: k - len(above)]])
+        index = np.sort(index, axis=1)
     else:
         index = np.broadcast_to(np.arange(n), key.shape)
-    order = np.argsort(-np.take_along_axis(key, index, axis=1), axis=1, kind="stable")
-    return np.take_along_axis(index, order, axis=1)
+    values = np.take_along_axis(key, index, axis=1).astype(np.float64)
+    return np.take_along_axis(index, np.argsort(-values, axis=1, kind="stable"), axis=1)
 
 
 def classify(array: np.ndarray, count: int, labels: tuple[str, ...], batched: bool, output: str) -> np.ndarray:

@@ -27,7 +27,7 @@ from service.repository.layout import load_model_config
 from service.seq2seq.generation import Hypothesis, greedy_decode
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
-from tests.service.queue_helpers import ENCODER_VOCAB, blocker_request, computing_alone, model_stats
+from tests.service.queue_helpers import ENCODER_CACHED, ENCODER_VOCAB, blocker_request, computing_alone, model_stats
 
 
 class Seen:
@@ -217,9 +217,7 @@ CACHE_BYTES = 256 << 10  # the server's --cache-size: a few dozen encoder answer
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     d = tmp_path_factory.mktemp("cache")
-    one = {"instances": 1, "response_cache": {"enable": True},
-           "batching": {"inline_max_tokens": 0, "max_queue_wait_ms": 600_000, "max_queue_tokens": 65536}}  # fmt: skip
-    repo = variant(MODELS, d / "models", {"g2p_encoder": one})
+    repo = variant(MODELS, d / "models", {"g2p_encoder": ENCODER_CACHED})
     args = ["--model-repository", str(repo), "--cache-size", str(CACHE_BYTES), "--model-control-mode", "explicit",
             "--load-model", "g2p_encoder"]  # fmt: skip
     s = start_server(args, d / "server.log")
