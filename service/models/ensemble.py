@@ -57,8 +57,6 @@ class StepModel(Protocol):
     def outputs(self) -> list[TensorSpec]: ...
     @property
     def max_batch_size(self) -> int: ...
-    @property
-    def config(self) -> ModelConfig: ...
 
 
 class Steps(Protocol):
@@ -106,7 +104,7 @@ def _declared(model: StepModel) -> Declared:
     """What bounds a step model's outputs: its inputs, batch axis, and the limits its kind or config.json
     declares (an ensemble's outputs are each within MAX_ELEMENTS: its own steps are checked)."""
     axis_limits = getattr(model, "axis_limits", None)  # a kind that bounds its own axes (g2p's words)
-    most = MAX_ELEMENTS if model.config.ensemble is not None else model.config.limits.get("max_output_elements")
+    most = getattr(model, "max_output_elements", None)  # a kind that bounds its outputs whole (limits, an ensemble)
     return Declared(tuple(model.inputs), model.max_batch_size > 0, axis_limits or {}, most)
 
 
@@ -124,6 +122,7 @@ class EnsembleModel:
     kind = "ensemble"
     platform = "ensemble"
     compute_span = "qkv.ensemble"
+    max_output_elements = MAX_ELEMENTS  # each of its outputs: its own steps are held to the limit of a tensor
     provider = "ensemble"  # no sessions of its own: its steps' models have theirs
 
     def __init__(self, config: ModelConfig, steps: Steps | None, observer: ModelObserver) -> None:

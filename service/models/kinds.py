@@ -261,6 +261,9 @@ class TensorModel:
         self.max_sequence_length = int(config.limits.get("max_sequence_length", 0))
         # input name -> vocabulary size: token ids must lie in [0, size)
         self.vocab_size = {k: int(v) for k, v in (config.limits.get("vocab_size") or {}).items()}
+        # elements of one output, at most, where no input bounds it: what lets it be an ensemble's step
+        most = config.limits.get("max_output_elements")
+        self.max_output_elements = None if most is None else int(most)
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
