@@ -69,6 +69,24 @@ class ServerSettings:
         64, "system shared memory regions open at once (registered, or unregistered and still in use), at most; 0: off"
     )
     shared_memory_max_bytes: int = _setting(1 << 30, "bytes of all open system shared memory regions together, at most")
+    shared_memory_key_prefix: str = _setting(
+        "", "register only shared memory objects whose names (after the leading '/') start with this"
+    )
+    shared_memory_unverified_peers: bool = _setting(
+        False,
+        "register shared memory for a peer whose local user the server cannot find (beyond this host, not Linux), "
+        "with the server's own rights on the object (default: refused)",
+    )
+    isolate_tokens: bool = _setting(
+        False,
+        "each --auth-token-file token's shared memory regions and sequences are its own: another token's are "
+        "NOT_FOUND (default: shared by all, as in Triton)",
+    )
+    token_share: float = _setting(
+        1.0,
+        "with --isolate-tokens: the share of each bound on what callers keep (a model's max_sequences and "
+        "max_state_bytes, --shared-memory-max-regions and -bytes) one token may hold, in (0, 1]",
+    )
     access_log: bool = _setting(False, "one JSON line per request on stderr")
     metrics: bool = _setting(True, "record Prometheus metrics (--no-metrics: to measure what recording costs)")
     log_level: str = _setting("info", "debug, info, warning or error")

@@ -74,7 +74,16 @@ class Server:
         self.settings = settings
         # TLS files and tokens first: a bad one stops the start before any model loads.
         self._credentials = server_credentials(settings)
-        self._tokens = BearerTokens(bearer_tokens(settings.auth_token_file), bearer_tokens(settings.admin_token_file))
+        if not 0 < settings.token_share <= 1:
+            raise SystemExit(f"qkv: --token-share {settings.token_share:g}: give a share in (0, 1]")
+        if settings.isolate_tokens and settings.auth_token_file is None:
+            raise SystemExit("qkv: --isolate-tokens needs --auth-token-file: the tokens are what it isolates")
+        self._tokens = BearerTokens(
+            bearer_tokens(settings.auth_token_file),
+            bearer_tokens(settings.admin_token_file),
+            settings.isolate_tokens,
+            settings.token_share,
+        )
         self.metrics = Metrics(enabled=settings.metrics)
         priority.configure(settings.compute_nice)
         self.tracing = _tracing(settings)
@@ -86,7 +95,11 @@ class Server:
             self.registry, self.metrics, settings, self.tracing, self.return_memory_later, self.cache
         )
         self.shared_memory = shared_memory.SharedMemoryRegistry(
-            settings.shared_memory_max_regions, settings.shared_memory_max_bytes, settings.max_message_bytes
+            settings.shared_memory_max_regions,
+            settings.shared_memory_max_bytes,
+            settings.max_message_bytes,
+            key_prefix=settings.shared_memory_key_prefix,
+            unverified_peers=settings.shared_memory_unverified_peers,
         )
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
@@ -133,11 +146,11 @@ class Server:
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
         server.add_generic_rpc_handlers(
-            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory)),)
+            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory, self._tokens)),)
         )
-        server.add_generic_rpc_handlers(
-            (protocol.generic_handler(SharedMemoryService(self.shared_memory, self._tokens)),)
-        )
+        # the server's end of a connection, for finding the peer's (service/frontends/peers.py)
+        regions = SharedMemoryService(self.shared_memory, self._tokens, lambda: (s.host, self.grpc_port))
+        server.add_generic_rpc_handlers((protocol.generic_handler(regions),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL

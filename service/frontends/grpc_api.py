@@ -19,6 +19,7 @@ import grpc
 from grpc.aio import ServicerContext as Context
 
 from service import protocol
+from service.callers import Caller
 from service.errors import InvalidArgument, ServingError
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource
@@ -29,6 +30,7 @@ from service.frontends.messages import (
     server_metadata_message,
     statistics_message,
 )
+from service.frontends.security import BearerTokens
 from service.frontends.statuses import grpc_status
 from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
 from service.serving.dataplane import MAX_ID_CHARS, MAX_PARAMETERS, DataPlane
@@ -158,10 +160,15 @@ class _Outputs(Sequence[RequestedOutput]):
 
 
 def decode_request(
-    message: Any, context: Context, plane: DataPlane, method: str, memory: shared_memory.RequestMemory | None = None
+    message: Any,
+    context: Context,
+    plane: DataPlane,
+    method: str,
+    memory: shared_memory.RequestMemory | None = None,
+    caller: Caller | None = None,
 ) -> InferRequest:
     """A ModelInferRequest -> the data plane's request; the call's deadline is the request's. `memory`: the
-    shared memory regions its tensors name, leased."""
+    shared memory regions its tensors name, leased; `caller`: whose token sent it (--isolate-tokens)."""
     remaining = context.time_remaining()
     return InferRequest(
         model_name=message.model_name,
@@ -173,6 +180,7 @@ def decode_request(
         deadline=time.monotonic() + remaining if remaining is not None else None,
         trace_context=context.invocation_metadata() if plane.traced else None,
         method=method,
+        caller=caller,
     )
 
 
@@ -192,11 +200,13 @@ def encode_response(answer: InferResponse, memory: shared_memory.RequestMemory |
 MAX_SHARED_TENSORS = 1024
 
 
-def _attached(regions: shared_memory.SharedMemoryRegistry, message: Any) -> shared_memory.RequestMemory | None:
+def _attached(
+    regions: shared_memory.SharedMemoryRegistry, message: Any, caller: Caller | None
+) -> shared_memory.RequestMemory | None:
     """The regions a request's tensors name, leased (None: it names none); an error is the request's answer."""
     if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
         return None
-    return regions.attach(message)
+    return regions.attach(message, caller)
 
 
 async def _abort(context: Context, e: ServingError) -> NoReturn:
@@ -226,8 +236,11 @@ async def _awaited(context: Context, work: Awaitable[T]) -> T:
 class InferenceService:
     """inference.GRPCInferenceService over the data plane."""
 
-    def __init__(self, plane: DataPlane, regions: shared_memory.SharedMemoryRegistry) -> None:
+    def __init__(
+        self, plane: DataPlane, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens | None = None
+    ) -> None:
         self.plane, self.regions = plane, regions
+        self.tokens = tokens if tokens is not None else BearerTokens([])  # who a call is, with --isolate-tokens
 
     async def ServerLive(self, request: Any, context: Context) -> Any:
         return protocol.ServerLiveResponse(live=self.plane.live())
@@ -265,12 +278,13 @@ class InferenceService:
         return protocol.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: Any, context: Context) -> Any:
+        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
         try:
-            memory = _attached(self.regions, request)
+            memory = _attached(self.regions, request, caller)
         except ServingError as e:
             await _abort(context, e)
         try:
-            outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelInfer", memory))
+            outcome = await self.plane.infer(decode_request(request, context, self.plane, "ModelInfer", memory, caller))
             if isinstance(outcome, ServingError):
                 await _abort(context, outcome)
             try:
@@ -290,13 +304,14 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
+        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
 
         async def answer(request: Any) -> None:
             memory = None
             try:
-                memory = _attached(self.regions, request)
+                memory = _attached(self.regions, request, caller)
                 outcome = await self.plane.infer(
-                    decode_request(request, context, self.plane, "ModelStreamInfer", memory)
+                    decode_request(request, context, self.plane, "ModelStreamInfer", memory, caller)
                 )
                 answers.put_nowait(_stream_answer(request, outcome, memory))
             except ServingError as e:

@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import ERROR, RequestPayloadError
 
+from service.callers import Caller
 from service.config import ServerSettings
 from service.datatypes import encode_bytes
 from service.errors import InvalidArgument, ServingError, clip, quote
@@ -39,6 +40,7 @@ from service.frontends.messages import (
     server_metadata_message,
     statistics_message,
 )
+from service.frontends.peers import peer_uid
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
@@ -136,6 +138,7 @@ class _TextInput:
     text: str
     id: str
     parameters: dict[str, Parameter]
+    caller: Caller | None = None  # whose token sent it (--isolate-tokens)
 
     def request(
         self, model: str, version: str, text: str, method: str, carrier: Any, outputs: tuple[str, ...] = ()
@@ -144,7 +147,9 @@ class _TextInput:
         none, the model's default)."""
         tensor = InferInput("TEXT", "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
         asked = tuple(RequestedOutput(name) for name in outputs)
-        return InferRequest(model, version, self.id, [tensor], asked, self.parameters, None, carrier, method)
+        return InferRequest(
+            model, version, self.id, [tensor], asked, self.parameters, None, carrier, method, caller=self.caller
+        )
 
 
 class RestServer:
@@ -401,13 +406,29 @@ class RestServer:
         await self._body(request)
         return web.Response(status=200)
 
-    def _may_change_shm(self, request: web.BaseRequest, what: str) -> None:
+    def _authorization(self, request: web.BaseRequest) -> str | None:
         authorization = request.headers.get("Authorization")
-        offered = authorization if authorization is not None and _utf8(authorization) else None
-        shared_memory.check_may_change(request.remote, offered, self.tokens, what)
+        return authorization if authorization is not None and _utf8(authorization) else None
+
+    def _caller(self, request: web.BaseRequest) -> Caller | None:
+        """Whose token sent the request, with --isolate-tokens (service/callers.py)."""
+        return self.tokens.caller(self._authorization(request)) if self.tokens.isolate else None
+
+    def _may_change_shm(self, request: web.BaseRequest, what: str) -> None:
+        shared_memory.check_may_change(request.remote, self._authorization(request), self.tokens, what)
+
+    def _uid(self, request: web.BaseRequest) -> int | None:
+        """The local user of the peer, when it is one of this host's (service/frontends/peers.py)."""
+        transport = request.transport
+        if transport is None:
+            return None
+        peer, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        if not isinstance(peer, tuple) or not isinstance(server, tuple):  # a Unix socket's are strings
+            return None
+        return peer_uid((str(peer[0]), int(peer[1])), (str(server[0]), int(server[1])))
 
     async def _shm_status(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        regions = self.regions.status(name)
+        regions = self.regions.status(name, self._caller(request))
         return _json([vars(s) for s in regions])
 
     async def _shm_register(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
@@ -423,23 +444,24 @@ class RestServer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f'"{field}" must be a non-negative integer')
             sizes.append(value)
-        self.regions.register(name, key, *sizes)
+        offset, byte_size = sizes
+        self.regions.register(name, key, offset, byte_size, self._uid(request), self._caller(request))
         return web.Response(status=200)
 
     async def _shm_unregister(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
         self._may_change_shm(request, "unregistering shared memory")
         await self._body(request)  # empty, as Triton's
-        self.regions.unregister(name)
+        self.regions.unregister(name, self._caller(request))
         return web.Response(status=200)
 
     # --- inference ------------------------------------------------------------------------------------
 
-    def _attach(self, parsed: InferBody) -> shared_memory.RequestMemory | None:
+    def _attach(self, parsed: InferBody, caller: Caller | None) -> shared_memory.RequestMemory | None:
         """The shared memory regions a request's tensors name, leased; its inputs there read from them."""
         if not parsed.shared_inputs and not parsed.shared_outputs:
             return None
         message = parsed.shared_message()
-        memory = self.regions.attach(message)
+        memory = self.regions.attach(message, caller)
         if memory is None:
             return None
         by_name = {t.name: t for t in message.inputs}
@@ -455,7 +477,8 @@ class RestServer:
         body = await self._body(request)
         parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
         parsed.request.trace_context = self._carrier(request)
-        memory = self._attach(parsed)
+        parsed.request.caller = self._caller(request)
+        memory = self._attach(parsed, parsed.request.caller)
         try:
             outcome = await self.plane.infer(parsed.request)
             if isinstance(outcome, ServingError):
@@ -479,7 +502,7 @@ class RestServer:
         request_id = doc.get("id", "")
         if not isinstance(request_id, str):
             raise InvalidArgument("id must be a string")
-        return _TextInput(text, request_id, parameters(doc.get("parameters", {})))
+        return _TextInput(text, request_id, parameters(doc.get("parameters", {})), self._caller(request))
 
     async def _generate(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         """Triton's generate extension: text in, text out, and each word's phonemes beside it."""

@@ -20,6 +20,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from service import protocol
+from service.callers import Caller
 from service.config import ServerSettings
 
 __all__ = [
@@ -49,12 +50,19 @@ class BearerTokens:
     offers one that passes.
 
     `tokens` pass the inference calls (all are open when there are none); `admin` tokens, when given,
-    are the only ones that pass the repository calls (index, load, unload)."""
+    are the only ones that pass the repository calls (index, load, unload). With `isolate`
+    (--isolate-tokens), each inference token is a caller of its own (`caller`), holding at most `share` of
+    each bound on what callers keep (--token-share)."""
 
-    def __init__(self, tokens: list[str], admin: list[str] | None = None) -> None:
+    def __init__(
+        self, tokens: list[str], admin: list[str] | None = None, isolate: bool = False, share: float = 1.0
+    ) -> None:
         # Digests: equal lengths, so compare_digest's time says nothing about a token's length either.
         self.tokens = [_digest(t.encode()) for t in tokens]
         self.admin = [_digest(t.encode()) for t in admin or []]
+        self.isolate = isolate and bool(self.tokens)
+        self._callers = [Caller(f"token {i + 1}", share) for i in range(len(self.tokens))]
+        self._admin_caller = Caller("admin", share)
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.admin)
@@ -71,6 +79,23 @@ class BearerTokens:
         offered = _digest(authorization[7:].strip().encode())
         # compare against every token, so the time taken says nothing about which matched
         return any([hmac.compare_digest(offered, t) for t in wanted])
+
+    def caller(self, authorization: str | None) -> Caller | None:
+        """With --isolate-tokens, the caller whose token `authorization` offers (an admin token's callers are
+        one, "admin"); None without isolation, or for a value that offers no token (refused before this)."""
+        if not self.isolate or not isinstance(authorization, str) or authorization[:7].lower() != "bearer ":
+            return None
+        offered = _digest(authorization[7:].strip().encode())
+        matched = [hmac.compare_digest(offered, t) for t in self.tokens]  # every token compared, as in `allows`
+        if any(matched):
+            return self._callers[matched.index(True)]
+        return self._admin_caller if any([hmac.compare_digest(offered, t) for t in self.admin]) else None
+
+    def caller_of(self, metadata: Any) -> Caller | None:
+        """`caller` of a gRPC call's metadata."""
+        if not self.isolate:
+            return None
+        return self.caller(next((v for k, v in metadata or () if k == "authorization" and isinstance(v, str)), None))
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]

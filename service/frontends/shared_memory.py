@@ -16,6 +16,15 @@ written. Unregistering takes a region out of the table at once (new requests get
 descriptor closes when the last lease ends, so a request in flight never reads or writes another object.
 Regions still leased count against the limits until then. Everything here runs on the event loop, except
 `RequestMemory`'s reads, which a worker thread may do while the request holds its leases.
+
+The server may open more than its clients may (it often runs as root), so it never opens an object for a
+client with more rights than that client has: the front end finds the registering peer's uid
+(service/frontends/peers.py), and the object is opened read-only, write-only or both, as its owner, group
+and mode let that uid, or refused PERMISSION_DENIED when they let it do neither. A region is used for an
+input only if it may be read, for an output only if it may be written, checked again against the object's
+mode at each use. A peer whose uid cannot be found is refused, unless the operator opted in
+(--shared-memory-unverified-peers); keys may be bound to a prefix (--shared-memory-key-prefix). With
+--isolate-tokens each caller (service/callers.py) has its own regions: another's are NOT_FOUND to it.
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from service.callers import Caller, share_of
 from service.datatypes import NUMPY_DTYPES
 from service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
 from service.frontends.codec import fill_output
+from service.frontends.peers import access
 from service.frontends.security import BearerTokens
 
 __all__ = [
@@ -72,16 +83,33 @@ class RegionStatus:
 
 
 class _Region:
-    """A registered region: the object's open descriptor, and the requests leasing it."""
+    """A registered region: the object's open descriptor, whose it is, and the requests leasing it.
 
-    def __init__(self, status: RegionStatus, fd: int) -> None:
-        self.status, self.fd = status, fd
+    `uid`: the user that registered it (None: not known, the operator opted in); `rights`: whether `fd` was
+    opened for reading, and for writing; `owner`: the caller's name with --isolate-tokens, "" otherwise."""
+
+    def __init__(self, status: RegionStatus, fd: int, uid: int | None, rights: tuple[bool, bool], owner: str) -> None:
+        self.status, self.fd, self.uid, self.rights, self.owner = status, fd, uid, rights, owner
         self.leases = 0
         self.registered = True
 
     @property
     def name(self) -> str:
         return self.status.name
+
+    def check_access(self, write: bool, what: str) -> None:
+        """PERMISSION_DENIED unless the user that registered the region may, by the object's mode now, read it
+        (an input's region) or write it (an output's)."""
+        opened = self.rights[1 if write else 0]
+        if opened and (self.uid is None or self.uid == 0):  # the server's own rights, or root's: no mode to check
+            return
+        info = os.fstat(self.fd)
+        assert self.uid is not None  # opened with fewer rights only for a known user
+        if not opened or not access(self.uid, info)[1 if write else 0]:
+            why = _refusal(self.uid, self.status.key, info) if opened else "it was registered without that right"
+            raise PermissionDenied(
+                f"{what}: shared memory region {quote(self.name)} may not be {'written' if write else 'read'}: {why}"
+            )
 
     def _truncated(self, end: int) -> InvalidArgument:
         size = os.fstat(self.fd).st_size
@@ -158,19 +186,20 @@ def _elements(tensor: Any) -> int:
 class RequestMemory:
     """The regions one request reads inputs from and writes outputs to, leased until `close`."""
 
-    def __init__(self, registry: SharedMemoryRegistry) -> None:
-        self._registry = registry
+    def __init__(self, registry: SharedMemoryRegistry, owner: str = "") -> None:
+        self._registry, self._owner = registry, owner
         self._leased: list[_Region] = []
         self.inputs: dict[str, _Placement] = {}
         self.outputs: dict[str, _Placement] = {}
 
-    def _place(self, tensor: Any, what: str) -> _Placement | None:
+    def _place(self, tensor: Any, what: str, write: bool) -> _Placement | None:
         wanted = _wanted(tensor, what)
         if wanted is None:
             return None
         name, offset, byte_size = wanted
-        region = self._registry.lease(name, what)
+        region = self._registry.lease(name, what, self._owner)
         self._leased.append(region)
+        region.check_access(write, what)
         size = region.status.byte_size
         if offset < 0 or byte_size < 0 or offset + byte_size > size:
             raise InvalidArgument(
@@ -249,15 +278,35 @@ def _key_name(key: str) -> str:
     return name
 
 
+def _refusal(uid: int, key: str, info: os.stat_result) -> str:
+    return (
+        f"uid {uid} may not open {quote(key)} so (owner uid {info.st_uid}, group {info.st_gid}, "
+        f"mode {stat.S_IMODE(info.st_mode):04o}), and the server opens it with no more rights than its client"
+    )
+
+
+def _owner(caller: Caller | None) -> str:
+    return caller.name if caller is not None else ""
+
+
 class SharedMemoryRegistry:
-    """The registered regions, within --shared-memory-max-regions and --shared-memory-max-bytes."""
+    """The registered regions, within --shared-memory-max-regions and --shared-memory-max-bytes (and, with
+    --isolate-tokens, each caller's share of them); `key_prefix`: the names keys must start with
+    (--shared-memory-key-prefix); `unverified_peers`: register for a peer whose uid is not known, with the
+    server's own rights (--shared-memory-unverified-peers)."""
 
     def __init__(
-        self, max_regions: int, max_bytes: int, max_tensor_bytes: int, directory: Path = SHM_DIRECTORY
+        self,
+        max_regions: int,
+        max_bytes: int,
+        max_tensor_bytes: int,
+        directory: Path = SHM_DIRECTORY,
+        key_prefix: str = "",
+        unverified_peers: bool = False,
     ) -> None:
         self.max_regions, self.max_bytes, self.max_tensor_bytes = max_regions, max_bytes, max_tensor_bytes
-        self.directory = directory
-        self._regions: dict[str, _Region] = {}
+        self.directory, self.key_prefix, self.unverified_peers = directory, key_prefix.lstrip("/"), unverified_peers
+        self._regions: dict[tuple[str, str], _Region] = {}  # (owner, name): each caller's names are its own
         self._open: set[_Region] = set()  # registered or still leased: what the limits count
 
     @property
@@ -265,35 +314,39 @@ class SharedMemoryRegistry:
         """The server metadata's extension names for this one (none when it is off)."""
         return ["system_shared_memory"] if self.max_regions > 0 else []
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(
+        self, name: str, key: str, offset: int, byte_size: int, uid: int | None, caller: Caller | None = None
+    ) -> None:
+        """Region `name`: [offset, offset + byte_size) of object `key`, for a peer of user `uid` (None: not
+        known) and `caller` (--isolate-tokens)."""
         if self.max_regions <= 0:
             raise ResourceExhausted("system shared memory is off (--shared-memory-max-regions 0)")
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidArgument(f"a shared memory region's name must have 1 to {MAX_NAME_CHARS} characters")
-        if name in self._regions:
-            old = self._regions[name].status
+        owner = _owner(caller)
+        if (owner, name) in self._regions:
+            old = self._regions[owner, name].status
             raise AlreadyExists(
                 f"shared memory region {quote(name)} is already registered (key {quote(old.key)}): unregister it first"
             )
         file_name = _key_name(key)
+        if not file_name.startswith(self.key_prefix):
+            raise PermissionDenied(
+                f"cannot register shared memory region {quote(name)}: key {quote(key)} does not start with "
+                f"{quote('/' + self.key_prefix)} (--shared-memory-key-prefix)"
+            )
+        if uid is None and not self.unverified_peers:
+            raise PermissionDenied(
+                f"cannot register shared memory region {quote(name)}: the server cannot tell which user of its host "
+                "the client is (a peer beyond this host, or not Linux), so it cannot open the object only as that "
+                "user may (--shared-memory-unverified-peers opens it for such peers with the server's own rights)"
+            )
         if byte_size <= 0:
             raise InvalidArgument(f"shared memory region {quote(name)}: byte_size must be positive")
-        if len(self._open) >= self.max_regions:
-            raise ResourceExhausted(
-                f"cannot register shared memory region {quote(name)}: {len(self._open)} regions are open, the "
-                f"limit is {self.max_regions} (--shared-memory-max-regions)"
-            )
-        held = sum(r.status.byte_size for r in self._open)
-        if held + byte_size > self.max_bytes:
-            raise ResourceExhausted(
-                f"cannot register shared memory region {quote(name)} of {byte_size} bytes: {held} are registered, "
-                f"the limit is {self.max_bytes} (--shared-memory-max-bytes)"
-            )
-        fd = self._open_object(name, key, file_name)
+        self._check_room(name, byte_size, caller)
+        fd, rights = self._open_object(name, key, file_name, uid)
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidArgument(f"shared memory region {quote(name)}: {quote(key)} is not a shared memory object")
             if offset + byte_size > info.st_size:
                 raise InvalidArgument(
                     f"shared memory region {quote(name)}: offset {offset} and byte_size {byte_size} lie outside "
@@ -302,15 +355,37 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        region = _Region(RegionStatus(name, key, offset, byte_size), fd)
-        self._regions[name] = region
+        region = _Region(RegionStatus(name, key, offset, byte_size), fd, uid, rights, owner)
+        self._regions[owner, name] = region
         self._open.add(region)
 
-    def _open_object(self, name: str, key: str, file_name: str) -> int:
-        # No symlink followed; O_NONBLOCK: opening a FIFO someone left there never waits (fstat refuses it).
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    def _check_room(self, name: str, byte_size: int, caller: Caller | None) -> None:
+        """RESOURCE_EXHAUSTED when one more region, of `byte_size` bytes, passes a limit or the caller's share."""
+        owner = _owner(caller)
+        for regions, max_regions, max_bytes, whose in (
+            (self._open, self.max_regions, self.max_bytes, ""),
+            ({r for r in self._open if r.owner == owner}, share_of(self.max_regions, caller),
+             share_of(self.max_bytes, caller), "this caller's share of "),
+        ):  # fmt: skip
+            if len(regions) >= max_regions:
+                raise ResourceExhausted(
+                    f"cannot register shared memory region {quote(name)}: {len(regions)} regions are open, "
+                    f"{whose}the limit is {max_regions} (--shared-memory-max-regions)"
+                )
+            held = sum(r.status.byte_size for r in regions)
+            if held + byte_size > max_bytes:
+                raise ResourceExhausted(
+                    f"cannot register shared memory region {quote(name)} of {byte_size} bytes: {held} are "
+                    f"registered, {whose}the limit is {max_bytes} (--shared-memory-max-bytes)"
+                )
+            if caller is None or caller.share >= 1:
+                break
+
+    def _open_object(self, name: str, key: str, file_name: str, uid: int | None) -> tuple[int, tuple[bool, bool]]:
+        """The object opened with the rights `uid` has on it (None: the server's own): first by its path alone
+        (O_PATH: no right used, no symbolic link followed), then, the same file, for reading, writing or both."""
         try:
-            return os.open(self.directory / file_name, flags)
+            path_fd = os.open(self.directory / file_name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise NotFound(
                 f"cannot register shared memory region {quote(name)}: no shared memory object {quote(key)} "
@@ -320,33 +395,58 @@ class SharedMemoryRegistry:
             raise InvalidArgument(
                 f"cannot register shared memory region {quote(name)}: cannot open {quote(key)}: {e.strerror}"
             ) from None
+        try:
+            info = os.fstat(path_fd)
+            if not stat.S_ISREG(info.st_mode):  # a symbolic link (O_PATH opens it), a FIFO, a directory
+                raise InvalidArgument(f"shared memory region {quote(name)}: {quote(key)} is not a shared memory object")
+            read, write = (True, True) if uid is None else access(uid, info)
+            if not read and not write:
+                assert uid is not None
+                raise PermissionDenied(
+                    f"cannot register shared memory region {quote(name)}: {_refusal(uid, key, info)}"
+                )
+            flags = os.O_RDWR if read and write else os.O_RDONLY if read else os.O_WRONLY
+            try:  # the file path_fd holds, whatever its name now names
+                fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as e:
+                raise InvalidArgument(
+                    f"cannot register shared memory region {quote(name)}: cannot open {quote(key)}: {e.strerror}"
+                ) from None
+        finally:
+            os.close(path_fd)
+        return fd, (read, write)
 
-    def status(self, name: str = "") -> list[RegionStatus]:
-        """Every registered region's status, or the one named."""
+    def status(self, name: str = "", caller: Caller | None = None) -> list[RegionStatus]:
+        """Every registered region's status, or the one named (the caller's own, with --isolate-tokens)."""
+        owner = _owner(caller)
         if not name:
-            return [r.status for r in self._regions.values()]
-        region = self._regions.get(name)
+            return [r.status for (o, _), r in self._regions.items() if o == owner]
+        region = self._regions.get((owner, name))
         if region is None:
             raise NotFound(f"no shared memory region {quote(name)} is registered")
         return [region.status]
 
-    def unregister(self, name: str = "") -> None:
-        """One region (every one, when `name` is empty) out of the table; a region that is not registered is
-        NOT_FOUND. Its descriptor closes once no request leases it."""
-        if name and name not in self._regions:
+    def unregister(self, name: str = "", caller: Caller | None = None) -> None:
+        """One region (every one of the caller's, when `name` is empty) out of the table; a region that is not
+        registered is NOT_FOUND. Its descriptor closes once no request leases it."""
+        owner = _owner(caller)
+        if name and (owner, name) not in self._regions:
             raise NotFound(f"no shared memory region {quote(name)} is registered")
-        for region in [self._regions[name]] if name else list(self._regions.values()):
-            del self._regions[region.name]
-            region.registered = False
-            if region.leases == 0:
-                self._close(region)
+        for region in [self._regions[owner, name]] if name else [r for r in self._regions.values() if r.owner == owner]:
+            self._drop(region)
+
+    def _drop(self, region: _Region) -> None:
+        del self._regions[region.owner, region.name]
+        region.registered = False
+        if region.leases == 0:
+            self._close(region)
 
     def _close(self, region: _Region) -> None:
         self._open.discard(region)
         os.close(region.fd)
 
-    def lease(self, name: str, what: str) -> _Region:
-        region = self._regions.get(name)
+    def lease(self, name: str, what: str, owner: str = "") -> _Region:
+        region = self._regions.get((owner, name))
         if region is None:
             raise NotFound(f"{what}: no shared memory region {quote(name)} is registered")
         region.leases += 1
@@ -357,17 +457,17 @@ class SharedMemoryRegistry:
         if region.leases == 0 and not region.registered:
             self._close(region)
 
-    def attach(self, request: Any) -> RequestMemory | None:
+    def attach(self, request: Any, caller: Caller | None = None) -> RequestMemory | None:
         """The regions a ModelInferRequest's tensors name, leased and bounds-checked; None when it names none."""
         if not any(len(t.parameters) for t in (*request.inputs, *request.outputs)):
             return None  # most requests: no tensor has a parameter, so none names a region
-        memory = RequestMemory(self)
+        memory = RequestMemory(self, _owner(caller))
         try:
             for tensor in request.inputs:
                 if not len(tensor.parameters):
                     continue
                 what = f"input {quote(tensor.name)}"
-                placed = memory._place(tensor, what)
+                placed = memory._place(tensor, what, write=False)
                 if placed is not None:
                     if tensor.HasField("contents"):
                         raise InvalidArgument(f"{what}: both contents and a shared memory region given")
@@ -375,7 +475,7 @@ class SharedMemoryRegistry:
             for tensor in request.outputs:
                 if not len(tensor.parameters):
                     continue
-                placed = memory._place(tensor, f"output {quote(tensor.name)}")
+                placed = memory._place(tensor, f"output {quote(tensor.name)}", write=True)
                 if placed is not None:
                     memory.outputs[tensor.name] = placed
         except BaseException:
@@ -384,8 +484,9 @@ class SharedMemoryRegistry:
         return memory if memory.inputs or memory.outputs else None
 
     def close(self) -> None:
-        """At drain: every region unregistered."""
-        self.unregister()
+        """At drain: every region, of every caller, unregistered."""
+        for region in list(self._regions.values()):
+            self._drop(region)
 
 
 def _loopback(host: str) -> bool:

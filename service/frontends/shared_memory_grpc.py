@@ -11,6 +11,7 @@ import grpc
 from service import protocol
 from service.errors import ServingError
 from service.frontends import shared_memory
+from service.frontends.peers import Address, grpc_address, peer_uid
 from service.frontends.security import BearerTokens
 
 __all__ = ["SharedMemoryService"]
@@ -20,8 +21,10 @@ class SharedMemoryService:
     """Triton's shared memory RPCs (service/frontends/shared_memory.py): system shared memory, and CUDA shared
     memory answered UNIMPLEMENTED. Served beside InferenceService, on the same service name."""
 
-    def __init__(self, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens) -> None:
-        self.regions, self.tokens = regions, tokens
+    def __init__(
+        self, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens, address: Callable[[], Address]
+    ) -> None:
+        self.regions, self.tokens, self.address = regions, tokens, address  # address: the server's (host, port)
 
     def _may_change(self, context: grpc.aio.ServicerContext, what: str) -> None:
         authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
@@ -36,20 +39,31 @@ class SharedMemoryService:
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
+    def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The local user of the peer, when it is one of this host's (service/frontends/peers.py)."""
+        peer = grpc_address(context.peer())
+        return None if peer is None else peer_uid(peer, self.address())
+
     async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = protocol.SystemSharedMemoryStatusResponse()
-        for s in await self._call(context, self.regions.status, request.name):
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        for s in await self._call(context, self.regions.status, request.name, caller):
             response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
         return response
 
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "registering shared memory")
-        await self._call(context, self.regions.register, request.name, request.key, request.offset, request.byte_size)
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        r = request
+        await self._call(
+            context, self.regions.register, r.name, r.key, r.offset, r.byte_size, self._uid(context), caller
+        )
         return protocol.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "unregistering shared memory")
-        await self._call(context, self.regions.unregister, request.name)
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        await self._call(context, self.regions.unregister, request.name, caller)
         return protocol.SystemSharedMemoryUnregisterResponse()
 
     async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

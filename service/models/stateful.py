@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.callers import CALLER
 from service.datatypes import NUMPY_DTYPES
 from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import Result, TensorModel, _as_strings, check_outputs, checked_feeds
@@ -133,6 +134,7 @@ class StatefulTensorModel(TensorModel):
             feeds,
             asyncio.get_running_loop().create_future(),
             tuple(outputs),
+            caller=CALLER.get(),  # with --isolate-tokens, the sequence is this caller's
         )
         result = await self.sequencer.submit(step)
         if outputs:

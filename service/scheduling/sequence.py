@@ -15,12 +15,14 @@ the shapes of its oldest row's, as Triton batches them: a state may change shape
 next (a key/value cache grows a position a step), and rows of other shapes wait for the next batch.
 
 Bounded: live sequences (max_sequences; for direct, also the slots), their state bytes (max_state_bytes)
-and queued requests. A new sequence beyond them is refused RESOURCE_EXHAUSTED (retryable). A sequence
-idle for max_sequence_idle_microseconds is freed at that moment by a reaper task (and, at the latest,
-when the next request comes). The clock and the reaper's sleep are injected (tests drive them, never
-sleep). Two supervised tasks: the dispatcher and the reaper; should either fail, the model refuses every
-request with UNAVAILABLE and says why. Like `DynamicBatcher`, it knows neither gRPC nor onnxruntime: it is
-handed `run_batch(steps, instance)`, and reports to a `SequenceObserver`.
+and queued requests; with --isolate-tokens, a sequence is its caller's (service/callers.py): another
+caller's request finds no sequence of that id (NOT_FOUND, or a start of its own), and each caller may hold
+its share (--token-share) of max_sequences and max_state_bytes. A new sequence beyond them is refused
+RESOURCE_EXHAUSTED (retryable). A sequence idle for max_sequence_idle_microseconds is freed at that moment
+by a reaper task (and, at the latest, when the next request comes). The clock and the reaper's sleep are
+injected (tests drive them, never sleep). Two supervised tasks: the dispatcher and the reaper; should either
+fail, the model refuses every request with UNAVAILABLE and says why. Like `DynamicBatcher`, it knows neither
+gRPC nor onnxruntime: it is handed `run_batch(steps, instance)`, and reports to a `SequenceObserver`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from service import priority
+from service.callers import Caller, share_of
 from service.datatypes import NUMPY_DTYPES, decode_bytes
-from service.errors import Internal, InvalidArgument, ResourceExhausted, ServingError, Unavailable, quote
+from service.errors import Internal, InvalidArgument, NotFound, ResourceExhausted, ServingError, Unavailable, quote
 from service.scheduling.sequence_config import Control, SequenceConfig, StateSpec
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
 log = logging.getLogger("qkv.sequence")
 
 CorrelationId = int | str
+SequenceKey = CorrelationId | tuple[str, CorrelationId]  # a caller's sequences are keyed by (its name, id)
 MAX_ID_CHARS = 256  # a string correlation id, at most (it is kept while its sequence lives)
 MAX_QUEUED = 4096  # requests waiting in all sequences together, at most
 
@@ -94,11 +98,14 @@ class SequenceStep:
     ready: bool = True
     arrived: float = 0.0  # the batcher's clock
     order: int = 0  # arrival order, across sequences
+    caller: Caller | None = None  # whose sequence it is (--isolate-tokens; None: everyone's)
 
 
 @dataclass(eq=False)
 class _Sequence:
     id: CorrelationId
+    key: SequenceKey  # in `live`: the id, or (the caller's name, the id)
+    owner: str  # the caller's name ("" without isolation)
     slot: tuple[int, int] | None  # direct: (instance, row)
     state: dict[str, np.ndarray]  # state input name -> its value for the next request (1, *dims)
     last_active: float  # set only by `SequenceBatcher._touch`, which keeps `live` in this order
@@ -203,9 +210,10 @@ class SequenceBatcher:
                 self.initial[s.input_name] = initial_state(s)
         # Least recently active first: every touch moves a sequence to the end, and the idle time is the same
         # for all, so the next to expire is the first idle one (expiry never scans every live sequence).
-        self.live: OrderedDict[CorrelationId, _Sequence] = OrderedDict()
+        self.live: OrderedDict[SequenceKey, _Sequence] = OrderedDict()
         self.queued = 0
         self.state_bytes = 0  # of every live sequence's state
+        self.owned: dict[str, list[int]] = {}  # a caller's name -> [its live sequences, their state bytes]
         self.expired = 0  # sequences freed for idling (a count for tests and metrics)
         self._free_slots = [(i, r) for r in range(self.max_rows - 1, -1, -1) for i in range(self.instances - 1, -1, -1)]
         self._idle = list(range(self.instances - 1, -1, -1))
@@ -280,15 +288,18 @@ class SequenceBatcher:
                 f"model '{self.name}': {self.queued} sequence requests queued, the limit",
                 retry_after_ms=max(1, self.config.max_queue_delay_us // 1000),
             )
-        seq = self.live.get(sid)
+        key: SequenceKey = sid if step.caller is None else (step.caller.name, sid)
+        seq = self.live.get(key)
         if seq is None:
             if not step.start:
-                raise InvalidArgument(
+                # A caller's: NOT_FOUND, whether another caller has a sequence of this id or none has.
+                error = InvalidArgument if step.caller is None else NotFound
+                raise error(
                     f"model '{self.name}': sequence {self._shown(sid)} is not live (never started, ended, or idle "
                     f"longer than max_sequence_idle_microseconds {self.config.max_sequence_idle_us} and freed): "
                     "its first request must set sequence_start"
                 )
-            seq = self._open(sid, now)
+            seq = self._open(sid, key, step.caller, now)
         elif seq.ending and not step.start:
             raise InvalidArgument(
                 f"model '{self.name}': sequence {self._shown(sid)} has ended (its sequence_end request is already "
@@ -348,8 +359,9 @@ class SequenceBatcher:
     def _shown(self, sid: CorrelationId) -> str:
         return quote(sid) if isinstance(sid, str) else str(sid)
 
-    def _open(self, sid: CorrelationId, now: float) -> _Sequence:
-        """A new live sequence, within the bounds, or RESOURCE_EXHAUSTED (retry when one ends or idles out)."""
+    def _open(self, sid: CorrelationId, key: SequenceKey, caller: Caller | None, now: float) -> _Sequence:
+        """A new live sequence, within the bounds (and the caller's share of them), or RESOURCE_EXHAUSTED (retry
+        when one ends or idles out)."""
         c = self.config
         initial_bytes = sum(_nbytes(a) for a in self.initial.values() if a is not None)
         full = None
@@ -362,6 +374,19 @@ class SequenceBatcher:
                 f"{self.state_bytes:,} bytes of sequence state held, a new sequence needs {initial_bytes:,} more "
                 f"(sequence_batching.max_state_bytes {c.max_state_bytes:,})"
             )
+        elif caller is not None:
+            sequences, held = self.owned.get(caller.name, (0, 0))
+            if sequences >= share_of(c.max_sequences, caller):
+                full = (
+                    f"{sequences} live sequences, this caller's share of sequence_batching.max_sequences "
+                    f"{c.max_sequences} (--token-share)"
+                )
+            elif held + initial_bytes > share_of(c.max_state_bytes, caller):
+                full = (
+                    f"{held:,} bytes of sequence state held by this caller, a new sequence needs {initial_bytes:,} "
+                    f"more, over this caller's share of sequence_batching.max_state_bytes {c.max_state_bytes:,} "
+                    "(--token-share)"
+                )
         if full is not None:
             raise ResourceExhausted(
                 f"model '{self.name}': cannot start sequence {self._shown(sid)}: {full}; retry when a sequence "
@@ -369,17 +394,35 @@ class SequenceBatcher:
                 retry_after_ms=self._next_expiry_ms(now),
             )
         slot = self._free_slots.pop() if c.strategy == "direct" else None
-        seq = _Sequence(sid, slot, self._initial_copy(), now)
-        self.live[sid] = seq
-        self.state_bytes += seq.state_bytes
+        seq = _Sequence(sid, key, caller.name if caller is not None else "", slot, {}, now)
+        self.live[key] = seq
+        self._owned(seq.owner, 1, 0)
+        self._set_state(seq, self._initial_copy())
         self._observe()
         return seq
+
+    def _set_state(self, seq: _Sequence, state: dict[str, np.ndarray]) -> None:
+        """The sequence's state replaced, the bytes held counted (its caller's too)."""
+        added = sum(_nbytes(a) for a in state.values()) - seq.state_bytes
+        seq.state = state
+        self.state_bytes += added
+        self._owned(seq.owner, 0, added)
+
+    def _owned(self, owner: str, sequences: int, state_bytes: int) -> None:
+        """A caller's live sequences and state bytes counted (a caller holding none is forgotten)."""
+        if not owner or (not sequences and not state_bytes):
+            return
+        held = self.owned.setdefault(owner, [0, 0])
+        held[0] += sequences
+        held[1] += state_bytes
+        if held == [0, 0]:
+            del self.owned[owner]
 
     def _touch(self, seq: _Sequence, now: float) -> None:
         """The sequence was active at `now`: its idle time starts again, and it moves to the end of `live`."""
         seq.last_active = now
-        if self.live.get(seq.id) is seq:
-            self.live.move_to_end(seq.id)
+        if self.live.get(seq.key) is seq:
+            self.live.move_to_end(seq.key)
 
     def _observe(self) -> None:
         self.observer.sequences(len(self.live), self.state_bytes)
@@ -430,10 +473,10 @@ class SequenceBatcher:
             self.expire()
 
     def _free(self, seq: _Sequence) -> None:
-        if self.live.get(seq.id) is seq:
-            del self.live[seq.id]
-        self.state_bytes -= seq.state_bytes
-        seq.state = {}
+        if self.live.get(seq.key) is seq:
+            del self.live[seq.key]
+            self._owned(seq.owner, -1, 0)
+        self._set_state(seq, {})
         if seq.slot is not None:
             self._free_slots.append(seq.slot)
             self._free_slots.sort(key=lambda s: (-s[1], -s[0]))  # the lowest row is reused first
@@ -510,9 +553,7 @@ class SequenceBatcher:
     def _feeds(self, seq: _Sequence | None, step: SequenceStep) -> None:
         """The row's model inputs: the client's, the controls, the state (reset on a start)."""
         if seq is not None and step.start:
-            self.state_bytes -= seq.state_bytes
-            seq.state = self._initial_copy()
-            self.state_bytes += seq.state_bytes
+            self._set_state(seq, self._initial_copy())
         feeds = dict(step.inputs)
         for c in self.config.controls:
             if c.kind == "CORRID":
@@ -638,11 +679,10 @@ class SequenceBatcher:
                 )
             new[s.input_name] = value
         added = sum(_nbytes(a) for a in new.values()) - seq.state_bytes
-        if new and self.state_bytes + added > self.config.max_state_bytes:
+        over = self._over_state_bytes(seq, step.caller, added) if new else None
+        if over is not None:
             error = ResourceExhausted(
-                f"model '{self.name}': sequence {self._shown(seq.id)}'s state would bring the state held to "
-                f"{self.state_bytes + added:,} bytes, over sequence_batching.max_state_bytes "
-                f"{self.config.max_state_bytes:,}: the sequence is ended"
+                f"model '{self.name}': sequence {self._shown(seq.id)}'s state would bring {over}: the sequence is ended"
             )
             while seq.queue:  # its state can no longer be kept: the sequence ends here, and its queued requests
                 queued = seq.queue.popleft()
@@ -652,10 +692,23 @@ class SequenceBatcher:
             self._free(seq)
             return error
         if new:
-            self.state_bytes += added
-            seq.state = new
+            self._set_state(seq, new)
         hidden = {s.output_name for s in self.config.states} - set(step.outputs)
         return {k: v for k, v in result.items() if k not in hidden}
+
+    def _over_state_bytes(self, seq: _Sequence, caller: Caller | None, added: int) -> str | None:
+        """What `added` more bytes of the sequence's state would pass: max_state_bytes, or its caller's share."""
+        bound = self.config.max_state_bytes
+        if self.state_bytes + added > bound:
+            held = self.state_bytes + added
+            return f"the state held to {held:,} bytes, over sequence_batching.max_state_bytes {bound:,}"
+        held = self.owned.get(seq.owner, (0, 0))[1] if seq.owner else 0
+        if seq.owner and held + added > share_of(bound, caller):
+            return (
+                f"this caller's state to {held + added:,} bytes, over this caller's share of "
+                f"sequence_batching.max_state_bytes {bound:,} (--token-share)"
+            )
+        return None
 
     def _compute(self, steps: list[SequenceStep], instance: int) -> list[Any]:
         """`run_batch`, a failure turned into each step's error: a runtime failure fails this batch only."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service import __version__
+from service.callers import CALLER
 from service.config import ServerSettings
 from service.datatypes import encode_bytes
 from service.errors import (
@@ -287,6 +288,7 @@ class DataPlane:
             method=f"qkv.ensemble.step.{step.position}",
             step_of=ensemble,
             parent_trace=trace,
+            caller=CALLER.get(),
         )
         outcome = await self.infer(request)
         if isinstance(outcome, ServingError):
@@ -312,6 +314,7 @@ class DataPlane:
         if self.draining and not request.step_of:  # a step's ensemble request was admitted before the drain
             raise Unavailable("the server is shutting down")
         self.active += 1
+        caller = CALLER.set(request.caller)  # whose state a stateful model keeps (a step's: its ensemble's caller)
         try:
             # What any request would be refused now is refused before its tensors are decoded:
             # under overload, refusing is most of the work and must stay cheap.
@@ -334,6 +337,7 @@ class DataPlane:
             classified = await _classified(request, model, result.outputs)
             return result if classified is result.outputs else replace(result, outputs=classified)
         finally:
+            CALLER.reset(caller)
             self.active -= 1
 
     def _count_request(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from service.callers import Caller
 from service.datatypes import MAX_BYTES_ELEMENTS, MAX_DIMS, InputLimits, check_datatype, datatype_of
 from service.errors import InvalidArgument, quote
 
@@ -132,7 +133,8 @@ class InferRequest:
     call's metadata or headers, read only for a W3C trace context when the server traces; `method`: what
     the trace calls the call (the RPC's name, or HTTP's "POST /v2/models/{model}/infer"). A step of an
     ensemble's request names the ensemble in `step_of` (it was admitted with it) and is traced under
-    `parent_trace`, the ensemble request's."""
+    `parent_trace`, the ensemble request's. `caller`: whose token sent it, with --isolate-tokens (None
+    otherwise): the state a model keeps for it across requests (a sequence) is that caller's alone."""
 
     model_name: str
     model_version: str = ""
@@ -145,6 +147,7 @@ class InferRequest:
     method: str = "ModelInfer"
     step_of: str = ""
     parent_trace: RequestTrace | None = None
+    caller: Caller | None = None
 
     _elements: int | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -71,6 +71,7 @@ class Probe:
     """One-word g2p requests and health checks every PROBE_EVERY seconds, on their own channel."""
 
     url: str
+    metadata: tuple[tuple[str, str], ...] = ()  # a bearer token, where the server wants one
     latencies: list[float] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     health_checks: int = 0
@@ -95,7 +96,7 @@ class Probe:
             while not self._stop.is_set():
                 started = time.perf_counter()
                 try:
-                    infer(body, timeout=PROBE_TIMEOUT)
+                    infer(body, timeout=PROBE_TIMEOUT, metadata=self.metadata)
                     self.latencies.append(time.perf_counter() - started)
                 except grpc.RpcError as e:
                     self.failed.append(f"infer {e.code().name}: {e.details()}")
@@ -122,12 +123,15 @@ class Outcome:
     rss_after: float
 
 
-def _attack(server: RunningServer, name: str, send: Callable[[], tuple[str, str]]) -> Outcome:
-    """`send` under the probe; the figures recorded under `name`; the common decisions asserted."""
+def _attack(
+    server: RunningServer, name: str, send: Callable[[], tuple[str, str]], metadata: tuple[tuple[str, str], ...] = ()
+) -> Outcome:
+    """`send` under the probe (its requests with `metadata`); the figures recorded under `name`; the common
+    decisions asserted."""
     pid = server.process.pid
     rss_before = _rss_mib(pid)
     bound = rss_before * RSS_RETURNED
-    with Probe(server.url) as probe:
+    with Probe(server.url, metadata) as probe:
         time.sleep(0.3)  # the probe's baseline
         started = time.perf_counter()
         code, details = send()
@@ -162,9 +166,9 @@ def _grpc_send(server: RunningServer, body: bytes, method: str = INFER) -> Calla
     return send
 
 
-def _still_serves(server: RunningServer) -> None:
+def _still_serves(server: RunningServer, metadata: tuple[tuple[str, str], ...] = ()) -> None:
     with grpc.insecure_channel(server.url) as channel:
-        channel.unary_unary(INFER)(_one_word(), timeout=PROBE_TIMEOUT)
+        channel.unary_unary(INFER)(_one_word(), timeout=PROBE_TIMEOUT, metadata=metadata)
 
 
 @pytest.fixture(scope="module")

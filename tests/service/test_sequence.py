@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.errors import Internal, InvalidArgument, ResourceExhausted, Unavailable
+from service.callers import Caller
+from service.errors import Internal, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from service.scheduling.sequence import SequenceBatcher, SequenceStep, initial_state, select_oldest
 from service.scheduling.sequence_config import (
     Control,
@@ -578,3 +579,65 @@ def test_tritons_sequence_batching_json_parses_to_typed_values() -> None:
 def test_a_wrong_sequence_batching_value_is_refused_naming_its_key(raw: Any, message: str) -> None:
     with pytest.raises(SequenceConfigError, match=message):
         parse_sequence_batching(raw)
+
+
+# --- callers (--isolate-tokens) ------------------------------------------------------------------------------
+
+
+def _as(caller: Caller | None, s: SequenceStep) -> SequenceStep:
+    s.caller = caller
+    return s
+
+
+def test_a_sequence_is_its_callers_and_another_caller_finds_none_of_that_id() -> None:
+    a, b_ = Caller("token 1"), Caller("token 2")
+
+    async def test() -> None:
+        b = batcher(Accumulator())
+        b.start()
+        assert int((await b.submit(_as(a, step(7, 10, start=True))))["OUTPUT"][0, 0]) == 10
+        for stranger in (_as(b_, step(7, 1)), _as(b_, step(7, 1, end=True)), step(7, 1)):
+            with pytest.raises((NotFound, InvalidArgument), match="sequence 7 is not live") as e:
+                await b.submit(stranger)  # neither another caller, nor a request with no caller, steps on it
+            assert isinstance(e.value, NotFound) == (stranger.caller is not None)
+        # another caller's start of the same id is a sequence of its own: A's goes on from where it was
+        assert int((await b.submit(_as(b_, step(7, 100, start=True))))["OUTPUT"][0, 0]) == 100
+        assert int((await b.submit(_as(a, step(7, 1))))["OUTPUT"][0, 0]) == 11
+        assert int((await b.submit(_as(b_, step(7, 2, end=True))))["OUTPUT"][0, 0]) == 102
+        assert int((await b.submit(_as(a, step(7, 1, end=True))))["OUTPUT"][0, 0]) == 12
+        assert b.live == {} and b.state_bytes == 0 and b.owned == {}
+        await b.close()
+
+    run(test)
+
+
+@pytest.mark.parametrize("bound", ["max_sequences", "max_state_bytes"])
+def test_one_caller_holds_its_share_and_the_others_still_start_sequences(bound: str) -> None:
+    """8 sequences of 4 bytes of state at most; a greedy caller starting all it can, then a victim. Without a
+    share (1.0, as without isolation) the greedy one takes all 8 and the victim none."""
+    limits = {"max_sequences": 8} if bound == "max_sequences" else {"max_state_bytes": 32}
+
+    async def started(b: SequenceBatcher, caller: Caller, first: int) -> tuple[int, str]:
+        """How many of 20 starts passed, and why the first refused one was."""
+        n, why = 0, ""
+        for sid in range(first, first + 20):
+            try:
+                await b.submit(_as(caller, step(sid, 1, start=True)))
+                n += 1
+            except ResourceExhausted as e:
+                why = why or str(e)
+        return n, why
+
+    async def test(share: float) -> tuple[int, int]:
+        b = batcher(Accumulator(), **limits)
+        b.start()
+        (greedy, why), (victim, _) = (
+            await started(b, Caller("token 1", share), 1),
+            await started(b, Caller("token 2", share), 100),
+        )
+        assert ("this caller's" in why) == (share < 1), why
+        await b.close()
+        return greedy, victim
+
+    assert asyncio.run(test(1.0)) == (8, 0)
+    assert asyncio.run(test(0.5)) == (4, 4)

@@ -5,10 +5,12 @@ requests use them."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import http.client
 import json
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,11 @@ from tritonclient.utils import InferenceServerException
 
 from service import protocol
 from service.bench.servers import scrape, variant
-from service.errors import PermissionDenied
+from service.callers import Caller
+from service.errors import NotFound, PermissionDenied, ResourceExhausted
+from service.frontends.peers import access, grpc_address, peer_uid
 from service.frontends.security import BearerTokens
-from service.frontends.shared_memory import check_may_change, peer_host
+from service.frontends.shared_memory import SharedMemoryRegistry, check_may_change, peer_host
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import until_computing
 
@@ -478,3 +482,100 @@ def test_requests_under_unregistering_either_succeed_or_are_refused_by_name(
         else:
             np.testing.assert_array_equal(np.frombuffer(outcome.raw_output_contents[0], np.int32), expected)
     assert not isinstance(outcomes[-1], grpc.aio.AioRpcError), outcomes[-1]
+
+
+# --- whose objects: the peer's uid and the object's owner and mode ------------------------------------------
+
+
+def _stat(uid: int, gid: int, mode: int) -> os.stat_result:
+    return os.stat_result((stat.S_IFREG | mode, 0, 0, 1, uid, gid, 0, 0, 0, 0))
+
+
+def test_a_user_may_what_its_class_of_the_mode_lets_it() -> None:
+    nobody = 65534
+    assert access(0, _stat(1000, 1000, 0o000)) == (True, True)  # root
+    assert access(nobody, _stat(nobody, 0, 0o600)) == (True, True)
+    assert access(nobody, _stat(nobody, 0, 0o066)) == (False, False)  # the owner's bits, only
+    assert access(nobody, _stat(0, 0, 0o600)) == (False, False)
+    assert access(nobody, _stat(0, 0, 0o644)) == (True, False)
+    assert access(nobody, _stat(0, 0, 0o622)) == (False, True)
+    assert access(nobody, _stat(0, 0, 0o666)) == (True, True)
+
+
+def test_the_peers_uid_is_that_of_its_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client, listener.accept()[0]:
+            peer = client.getsockname()
+            assert peer_uid(peer, ("127.0.0.1", port)) == os.getuid()
+            assert peer_uid(peer, ("0.0.0.0", port)) == os.getuid()
+            assert peer_uid(("::ffff:127.0.0.1", peer[1]), ("::", port)) == os.getuid()
+            assert peer_uid(peer, ("127.0.0.1", port + 1)) is None  # not a connection to that port
+            assert peer_uid(("192.0.2.1", peer[1]), ("127.0.0.1", port)) is None  # beyond this host
+    assert grpc_address("ipv4:127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert grpc_address("ipv6:%5B::1%5D:5000") == ("::1", 5000)
+    assert grpc_address("unix:/tmp/socket") is None
+
+
+def _registry(directory: Path, **kwargs: Any) -> SharedMemoryRegistry:
+    return SharedMemoryRegistry(MAX_REGIONS, MAX_BYTES, MAX_BYTES, directory, **kwargs)
+
+
+def test_an_unknown_peer_is_refused_unless_the_operator_opted_in(tmp_path: Path) -> None:
+    (tmp_path / "object").write_bytes(bytes(SIZE))
+    with pytest.raises(PermissionDenied, match="cannot tell which user"):
+        _registry(tmp_path).register("r", "/object", 0, SIZE, None)
+    regions = _registry(tmp_path, unverified_peers=True)
+    regions.register("r", "/object", 0, SIZE, None)
+    regions.close()
+    with pytest.raises(PermissionDenied, match=r"does not start with '/mine_' \(--shared-memory-key-prefix\)"):
+        _registry(tmp_path, key_prefix="mine_").register("r", "/object", 0, SIZE, os.getuid())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="objects of another user need root to make")
+def test_a_region_is_opened_with_the_registering_users_rights_and_used_within_them(tmp_path: Path) -> None:
+    nobody = 65534
+    for name, mode in (("secret", 0o600), ("readable", 0o644), ("writable", 0o622)):
+        (tmp_path / name).write_bytes(bytes(SIZE))
+        os.chmod(tmp_path / name, mode)
+    regions = _registry(tmp_path)
+    with pytest.raises(PermissionDenied, match=r"uid 65534 may not open '/secret' .*mode 0600"):
+        regions.register("secret", "/secret", 0, SIZE, nobody)
+    regions.register("readable", "/readable", 0, SIZE, nobody)
+    regions.register("writable", "/writable", 0, SIZE, nobody)
+    flags = {r.name: fcntl.fcntl(r.fd, fcntl.F_GETFL) & os.O_ACCMODE for r in regions._regions.values()}
+    assert flags == {"readable": os.O_RDONLY, "writable": os.O_WRONLY}  # no more than the user may
+    regions.register("mine", "/readable", 0, SIZE, 0)  # root may anything
+    regions.lease("readable", "input", "").check_access(False, "input")
+    with pytest.raises(PermissionDenied, match="'readable' may not be written"):
+        regions.lease("readable", "output", "").check_access(True, "output")
+    os.chmod(tmp_path / "readable", 0o600)  # checked again at each use, against the mode now
+    with pytest.raises(PermissionDenied, match="'readable' may not be read"):
+        regions.lease("readable", "input", "").check_access(False, "input")
+    os.chmod(tmp_path / "readable", 0o666)  # a right the user gained since is not one the region has
+    with pytest.raises(PermissionDenied, match="'readable' may not be written: it was registered without"):
+        regions.lease("readable", "output", "").check_access(True, "output")
+    regions.close()
+
+
+def test_a_callers_regions_are_its_own(tmp_path: Path) -> None:
+    (tmp_path / "object").write_bytes(bytes(SIZE))
+    a, b = Caller("token 1", 0.5), Caller("token 2", 0.5)
+    regions = _registry(tmp_path)
+    regions.register("r", "/object", 0, SIZE, os.getuid(), a)
+    regions.register("r", "/object", 0, SIZE, os.getuid(), b)  # the same name: B's own
+    assert [s.name for s in regions.status("", a)] == ["r"] and regions.status() == []
+    regions.unregister("r", b)
+    with pytest.raises(NotFound):
+        regions.status("r", b)
+    with pytest.raises(NotFound):
+        regions.unregister("r", b)
+    with pytest.raises(NotFound):
+        regions.lease("r", "input", "token 2")
+    assert regions.status("r", a)[0].key == "/object"
+    for i in range(MAX_REGIONS // 2 - 1):  # A's share: half of the regions
+        regions.register(f"a{i}", "/object", 0, SIZE, os.getuid(), a)
+    with pytest.raises(ResourceExhausted, match="this caller's share of the limit is 2"):
+        regions.register("one-more", "/object", 0, SIZE, os.getuid(), a)
+    regions.register("b", "/object", 0, SIZE, os.getuid(), b)
+    regions.close()
