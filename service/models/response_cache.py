@@ -8,6 +8,11 @@ leaving strands no one: the computation goes on while any request waits on it, a
 the request that started it (cancelled, or past its deadline) is started again by a request still
 waiting, with its own deadline.
 
+With isolated tokens (--isolate-tokens, service/callers.py), a caller's requests reach only the entries its
+own requests made (its caller's name is part of the key), unless the operator shares them across callers
+(--cache-across-tokens); either way a caller's statistics count its own lookups alone, so `cache_hit`
+says nothing of what another token asked.
+
 Memory is one server-wide bound (`--cache-size`): least recently used entries go first, so a client can
 push others' entries out only by sending traffic of its own, at most its own bytes' worth. A version's
 entries go when it is unloaded or replaced (`drop`).
@@ -26,6 +31,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
+from service.callers import CALLER, Caller
 from service.errors import Cancelled, DeadlineExceeded
 
 __all__ = ["CacheCounts", "CacheObserver", "ResponseCache", "deep_size", "key"]
@@ -145,14 +151,25 @@ class ResponseCache(Generic[V]):
 
     capacity: int
     observer: CacheObserver | None = None
+    across_callers: bool = False  # with --isolate-tokens: every caller's requests reach every entry
     _entries: OrderedDict[bytes, _Entry[V]] = field(default_factory=OrderedDict)
     _inflight: dict[bytes, _Flight[V]] = field(default_factory=dict)
     _counts: dict[tuple[str, str], CacheCounts] = field(default_factory=dict)
+    _callers: dict[tuple[str, str, str], CacheCounts] = field(default_factory=dict)  # each caller's lookups
     held: int = 0  # bytes of every entry, overhead included
 
-    def counts(self, model: str, version: str) -> CacheCounts:
-        """One model version's statistics (kept until the version is dropped)."""
+    def counts(self, model: str, version: str, caller: Caller | None = None) -> CacheCounts:
+        """One model version's statistics (kept until the version is dropped); with a `caller` (isolated
+        tokens), the hits and misses of that caller's own lookups alone."""
+        if caller is not None:
+            return self._callers.get((model, version, caller.name)) or CacheCounts()
         return self._counts.setdefault((model, version), CacheCounts())
+
+    def _scoped(self, k: bytes) -> bytes:
+        """The key a lookup of `k` reaches: with isolated tokens (a CALLER set), that caller's own, unless the
+        entries are shared across callers."""
+        caller = CALLER.get()
+        return k if caller is None or self.across_callers else key([caller.name, k])
 
     def get(self, k: bytes, model: str, version: str) -> V | None:
         """The kept answer for `k`, counted as a hit or a miss."""
@@ -162,6 +179,7 @@ class ResponseCache(Generic[V]):
         """`get` for each of `keys` (g2p's words), counted once for the lot."""
         entries, found = self._entries, []
         for k in keys:
+            k = self._scoped(k)
             entry = entries.get(k)
             if entry is not None:
                 entries.move_to_end(k)
@@ -174,6 +192,9 @@ class ResponseCache(Generic[V]):
     def put(self, k: bytes, value: V, size: int, model: str, version: str) -> None:
         """Keep `value` (`size` bytes), pushing out the least recently used until it fits; one larger than
         the whole bound is not kept."""
+        self._put(self._scoped(k), value, size, model, version)
+
+    def _put(self, k: bytes, value: V, size: int, model: str, version: str) -> None:
         total = size + ENTRY_OVERHEAD
         if total > self.capacity or k in self._entries:
             return
@@ -204,6 +225,7 @@ class ResponseCache(Generic[V]):
         waits until its own `deadline` (monotonic seconds) at most. When the computation ends with the
         request that started it (cancelled, or past that request's deadline), a request still waiting
         computes again, with its own `compute` and deadline: no one is stranded by another's leaving."""
+        k = self._scoped(k)
         entry = self._entries.get(k)
         flight = self._inflight.get(k)
         self._looked_up(model, version, entry is not None or flight is not None)
@@ -237,7 +259,7 @@ class ResponseCache(Generic[V]):
                 return
             if task.exception() is None:  # (retrieved: a failure no one waits for is no "never retrieved" error)
                 value = task.result()
-                self.put(k, value, size_of(value), model, version)
+                self._put(k, value, size_of(value), model, version)
 
         flight.task.add_done_callback(landed)
         return flight
@@ -251,6 +273,8 @@ class ResponseCache(Generic[V]):
             self._forget(entry, evicted=False)
             freed += entry.size
         self._counts.pop((model, version), None)
+        for c in [c for c in self._callers if c[:2] == (model, version)]:
+            del self._callers[c]
         if freed and self.observer is not None:
             self.observer.dropped(freed)
         return freed
@@ -267,10 +291,14 @@ class ResponseCache(Generic[V]):
     def _looked_up(self, model: str, version: str, hit: bool, n: int = 1) -> None:
         if not n:
             return
-        c = self.counts(model, version)
-        if hit:
-            c.hits += n
-        else:
-            c.misses += n
+        caller = CALLER.get()
+        counted = [self.counts(model, version)]
+        if caller is not None:  # isolated tokens: the caller's own lookups too, which its statistics show
+            counted.append(self._callers.setdefault((model, version, caller.name), CacheCounts()))
+        for c in counted:
+            if hit:
+                c.hits += n
+            else:
+                c.misses += n
         if self.observer is not None:
             self.observer.looked_up(model, hit, n)

@@ -203,3 +203,62 @@ def test_the_first_request_cancelled_strands_none_of_the_three_that_joined_it(se
         assert model_stats(stub, "g2p_encoder").inference_count - runs == rows + 1  # the blocker's rows, and one
         alone = stub.ModelInfer(request, timeout=60)  # kept: the three's answer
         assert [a.raw_output_contents for a in answers] == [alone.raw_output_contents] * 3
+
+
+# --- the response cache between tokens (--isolate-tokens) --------------------------------------------------------
+
+TOKENS = ("alpha", "bravo", "probe")
+
+
+def _auth(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """g2p with each word's answer kept, behind three tokens kept apart."""
+    scratch = tmp_path_factory.mktemp("attacks-cache-tokens")
+    root = variant(MODELS, scratch / "models", {"g2p": {"response_cache": {"enable": True}}})
+    (scratch / "tokens").write_text("\n".join(TOKENS) + "\n")
+    args = ["--model-repository", str(root), "--auth-token-file", str(scratch / "tokens"), "--isolate-tokens"]
+    args += ["--model-control-mode", "explicit", "--load-model", "g2p"]
+    s = start_server(args, scratch / "server.log")
+    yield s
+    stop_server(s)
+
+
+def _words(stub: Any, token: str, text: str) -> None:
+    request = protocol.ModelInferRequest(model_name="g2p")
+    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(len(text).to_bytes(4, "little") + text.encode())
+    stub.ModelInfer(request, timeout=60, metadata=_auth(token))
+
+
+def _seen(stub: Any, token: str) -> tuple[int, int, int]:
+    """What `token`'s ModelStatistics say of g2p's newest version: words decoded, cache hits, cache misses."""
+    request = protocol.ModelStatisticsRequest(name="g2p", version="2")
+    (s,) = stub.ModelStatistics(request, timeout=5, metadata=_auth(token)).model_stats
+    return s.inference_count, s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count
+
+
+def test_a_token_learns_nothing_of_anothers_words_from_the_cache(isolated: RunningServer) -> None:
+    """Token alpha asks for words; bravo then asks for the same (the issue: bravo read alpha's words from
+    `cache_hit` and from their 1.5 ms answers). Bravo's words are decoded as if never asked (no answer of
+    alpha's reaches it), and each token's statistics count its own lookups alone."""
+    with grpc.insecure_channel(isolated.url) as channel:
+        stub = protocol.Stub(channel)
+        _words(stub, "probe", "cat")  # the probe's word, kept before the count of words decoded is read
+
+        def send() -> tuple[str, str]:
+            _words(stub, "alpha", "secret word")
+            _words(stub, "alpha", "secret word")  # alpha's own answers, kept: two hits
+            decoded, _, _ = _seen(stub, "alpha")
+            _words(stub, "bravo", "secret word")  # as if never asked: decoded again
+            assert _seen(stub, "alpha")[0] - decoded == 2, "bravo's words came from alpha's answers"
+            return "OK", ""
+
+        outcome = _attack(isolated, "token B asks for token A's words (isolated tokens)", send, _auth("probe"))
+        assert outcome.code == "OK"
+        assert _seen(stub, "alpha")[1:] == (2, 2)  # alpha's own: 2 misses, then 2 hits
+        assert _seen(stub, "bravo")[1:] == (0, 2)  # bravo's own: 2 misses; none of alpha's hits shown
+    _still_serves(isolated, _auth("probe"))

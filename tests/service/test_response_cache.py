@@ -17,6 +17,7 @@ import pytest
 
 from service import protocol
 from service.bench import scrape, variant
+from service.callers import CALLER, Caller
 from service.client import g2p_outputs, g2p_request
 from service.errors import DeadlineExceeded
 from service.loadgen import encoder_request
@@ -196,6 +197,25 @@ def test_the_first_request_leaving_strands_none_of_those_that_joined_it() -> Non
         assert flight.cancelled() and not cache._inflight
 
     asyncio.run(run())
+
+
+def test_isolated_callers_reach_their_own_entries_unless_shared_and_see_their_own_counts() -> None:
+    for across in (False, True):
+        cache: ResponseCache[str] = ResponseCache(1 << 20, across_callers=across)
+        alpha, bravo = Caller("token 1"), Caller("token 2")
+        token = CALLER.set(alpha)
+        try:
+            cache.put(key(["word"]), "alpha's", 10, "m", "1")
+            assert cache.get(key(["word"]), "m", "1") == "alpha's"
+            CALLER.set(bravo)
+            assert cache.get(key(["word"]), "m", "1") == ("alpha's" if across else None)
+        finally:
+            CALLER.reset(token)
+        assert (cache.counts("m", "1", alpha).hits, cache.counts("m", "1", alpha).misses) == (1, 0)
+        assert (cache.counts("m", "1", bravo).hits, cache.counts("m", "1", bravo).misses) == (int(across), 1 - across)
+        assert cache.counts("m", "1").hits == 1 + across  # all of them, for the metrics
+        cache.drop("m", "1")
+        assert cache.counts("m", "1", alpha).hits == 0
 
 
 def test_a_versions_entries_go_with_it() -> None:
