@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from service.datatypes import MAX_ELEMENTS, InputLimits
-from service.errors import Internal, InvalidArgument, ServingError, quote
+from service.errors import FailedPrecondition, Internal, InvalidArgument, ServingError, quote
 from service.models.kinds import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.output_bounds import Declared, predicted, unbounded
 from service.models.runtime import TensorSpec
@@ -305,6 +305,11 @@ class EnsembleModel:
             if spec is None:  # a model reloaded in another form: its own checks answer
                 continue
             bound = predicted(declared, spec, feeds)
+            if bound is None:  # (the load refused such a model; this one was reloaded in another form since)
+                raise FailedPrecondition(
+                    f"output {quote(name)}: {unbounded(declared, spec)}, since its model was reloaded: reload the "
+                    "ensemble, or set limits.max_output_elements in the model's config.json"
+                )
             if bound.elements > MAX_ELEMENTS:
                 shape = f"shape up to {list(bound.shape)}, " if bound.shape is not None else ""
                 raise InvalidArgument(

@@ -78,8 +78,9 @@ def _sizes(declared: Declared, feeds: Mapping[str, np.ndarray]) -> tuple[dict[st
     return sizes, rows
 
 
-def predicted(declared: Declared, output: TensorSpec, feeds: Mapping[str, np.ndarray]) -> Bound:
-    """The largest `output` the model can answer for `feeds` (its own tensor names)."""
+def predicted(declared: Declared, output: TensorSpec, feeds: Mapping[str, np.ndarray]) -> Bound | None:
+    """The largest `output` the model can answer for `feeds` (its own tensor names); None when nothing bounds
+    it (a model that `unbounded` refuses)."""
     sizes, rows = _sizes(declared, feeds)
     dims: list[int] = []
     for i, (dim, axis) in enumerate(zip(output.shape, output.axes, strict=True)):
@@ -89,9 +90,10 @@ def predicted(declared: Declared, output: TensorSpec, feeds: Mapping[str, np.nda
             dims.append(sizes[axis])
         elif i == 0 and declared.batched:
             dims.append(rows)
-        else:  # unbounded by its shape: the declared limit (the load refused a model without one)
-            assert declared.max_output_elements is not None, output.name
+        elif declared.max_output_elements is not None:  # unbounded by its shape: the declared limit
             return Bound(None, declared.max_output_elements)
+        else:
+            return None
     elements = prod(dims)
     if declared.max_output_elements is not None:
         elements = min(elements, declared.max_output_elements)
