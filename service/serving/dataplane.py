@@ -248,7 +248,8 @@ class DataPlane:
             self._log_access(request, code, seconds, seq_len)
             if model is not None:
                 model.in_flight.leave()
-            if code == "INVALID_ARGUMENT" or _large(request):
+            # (an ensemble's step with a large answer: an intermediate, which a small request can make)
+            if code == "INVALID_ARGUMENT" or _large(request) or (request.step_of and _large_answer(outcome)):
                 self.large_request_done()
         assert outcome is not None  # answered, or refused with a ServingError
         return outcome
@@ -426,6 +427,11 @@ def _large(request: InferRequest) -> bool:
     """Whether a request held many entries or elements (len() alone, for the entries)."""
     fields = len(request.inputs) + len(request.outputs) + len(request.parameters)
     return fields > LARGE_FIELDS or request.elements > THREAD_ELEMENTS
+
+
+def _large_answer(outcome: InferResponse | ServingError | None) -> bool:
+    """Whether an answer held many elements (an ensemble step's intermediate, built by a small request)."""
+    return isinstance(outcome, InferResponse) and sum(a.size for a in outcome.outputs.values()) > THREAD_ELEMENTS
 
 
 def _misnamed(names: Sequence[InferInput] | Sequence[RequestedOutput], known: list[str], what: str, model: str) -> str:

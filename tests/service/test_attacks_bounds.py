@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as g
+import tritonclient.http as h
 from tritonclient.utils import InferenceServerException
 
 from service import protocol
@@ -261,4 +262,8 @@ def test_a_token_learns_nothing_of_anothers_words_from_the_cache(isolated: Runni
         assert outcome.code == "OK"
         assert _seen(stub, "alpha")[1:] == (2, 2)  # alpha's own: 2 misses, then 2 hits
         assert _seen(stub, "bravo")[1:] == (0, 2)  # bravo's own: 2 misses; none of alpha's hits shown
+    with h.InferenceServerClient(isolated.http_url) as client:  # the same over HTTP
+        seen = client.get_inference_statistics("g2p", "2", headers={"authorization": "Bearer bravo"})
+        stats = seen["model_stats"][0]["inference_stats"]
+        assert stats["cache_hit"].get("count", 0) == 0 and stats["cache_miss"]["count"] == 2, stats
     _still_serves(isolated, _auth("probe"))
