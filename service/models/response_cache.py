@@ -138,7 +138,7 @@ class _Flight(Generic[V]):
             except TimeoutError:
                 if self.task.done():  # (the computation's own failure, not this wait's end)
                     raise
-                raise DeadlineExceeded("the request's deadline passed while an identical request computed") from None
+                raise DeadlineExceeded("the request's deadline passed before its answer was computed") from None
         finally:
             self.waiters -= 1
             if not self.waiters and not self.task.done():
@@ -241,7 +241,9 @@ class ResponseCache(Generic[V]):
             except BaseException as e:
                 # Shared: a failure of the computation itself, or this request's own end (it was cancelled, or
                 # its deadline passed: the computation goes on for the others).
-                if mine or not flight.task.done() or not _ended_with_its_owner(e):
+                current = asyncio.current_task()
+                leaving = current is not None and current.cancelling() > 0  # this request too, at the same time
+                if mine or leaving or not flight.task.done() or not _ended_with_its_owner(e):
                     raise
             flight = self._inflight.get(k)  # another waiter may have started it again already
 
