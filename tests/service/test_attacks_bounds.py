@@ -180,7 +180,7 @@ def test_the_first_request_cancelled_strands_none_of_the_three_that_joined_it(se
     cache. The first's client cancels: all three are answered (the issue: 0 of 8 trials), with the answer
     the model gives alone, computed once."""
     rng = np.random.default_rng(21)
-    with grpc.insecure_channel(served.url) as channel:
+    with grpc.insecure_channel(served.url, options=OPTIONS) as channel:  # room for a blocker's answer
         stub = protocol.Stub(channel)
         for rows in (8, 16, 32, 64):  # a longer blocker while this machine sends the four more slowly
             request = encoder_request(16, ENCODER_VOCAB, rng)
@@ -203,6 +203,38 @@ def test_the_first_request_cancelled_strands_none_of_the_three_that_joined_it(se
         assert first.cancelled()
         assert model_stats(stub, "g2p_encoder").inference_count - runs == rows + 1  # the blocker's rows, and one
         alone = stub.ModelInfer(request, timeout=60)  # kept: the three's answer
+        assert [a.raw_output_contents for a in answers] == [alone.raw_output_contents] * 3
+
+
+def test_the_first_request_past_its_deadline_strands_none_of_the_three_that_joined_it(served: RunningServer) -> None:
+    """The same, the first's client giving up at its deadline while the four wait behind the blocker: its
+    computation, dropped at that deadline, is started again for the three, with theirs, and all three are
+    answered. A round whose deadline came before the three joined, or after the blocker, is sent again with
+    a longer deadline."""
+    rng = np.random.default_rng(22)
+    with grpc.insecure_channel(served.url, options=OPTIONS) as channel:  # room for the blocker's answer
+        stub = protocol.Stub(channel)
+        for patience in (
+            1.0,
+            2.0,
+            4.0,
+            8.0,
+            16.0,
+        ):  # the first's deadline: the three join within it, the blocker outlasts it
+            request = encoder_request(16, ENCODER_VOCAB, rng)
+            blocker = stub.ModelInfer.future(blocker_request(64, rng), timeout=600)
+            _until(lambda b=blocker: computing_alone(served) or b.done(), "the blocker computing")
+            hits = scrape(served.metrics_url).get(HITS, 0)
+            first = stub.ModelInfer.future(request, timeout=patience)
+            joined = [stub.ModelInfer.future(request, timeout=600) for _ in range(3)]
+            answers = [j.result() for j in joined]
+            blocker.result()
+            gave_up = first.exception() is not None and first.exception().code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            joined_it = scrape(served.metrics_url).get(HITS, 0) - hits == 3  # (else one of them computed anew)
+            if gave_up and joined_it:
+                break
+        assert gave_up and joined_it, "no round had the three join the first before its deadline, and it pass"
+        alone = stub.ModelInfer(request, timeout=60)
         assert [a.raw_output_contents for a in answers] == [alone.raw_output_contents] * 3
 
 
