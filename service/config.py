@@ -79,8 +79,8 @@ class ServerSettings:
     )
     shared_memory_unverified_peers: bool = _setting(
         False,
-        "register shared memory for a peer whose local user the server cannot find (beyond this host, not Linux), "
-        "with the server's own rights on the object (default: refused)",
+        "register and use shared memory regions for a peer whose local user the server cannot find (beyond this "
+        "host, not Linux), with the server's own rights on the object (default: refused)",
     )
     isolate_tokens: bool = _setting(
         False,

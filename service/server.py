@@ -145,11 +145,14 @@ class Server:
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
+
+        def bound() -> tuple[str, int]:  # the server's end of a connection: a peer's user is found by it
+            return s.host, self.grpc_port
+
         server.add_generic_rpc_handlers(
-            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory, self._tokens)),)
+            (grpc_api.generic_handler(grpc_api.InferenceService(self.plane, self.shared_memory, self._tokens, bound)),)
         )
-        # the server's end of a connection, for finding the peer's (service/frontends/peers.py)
-        regions = SharedMemoryService(self.shared_memory, self._tokens, lambda: (s.host, self.grpc_port))
+        regions = SharedMemoryService(self.shared_memory, self._tokens, bound)
         server.add_generic_rpc_handlers((protocol.generic_handler(regions),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any, NoReturn, TypeVar, overload
 
 import grpc
@@ -30,6 +30,7 @@ from service.frontends.messages import (
     server_metadata_message,
     statistics_message,
 )
+from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import grpc_status
 from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
@@ -201,12 +202,13 @@ MAX_SHARED_TENSORS = 1024
 
 
 def _attached(
-    regions: shared_memory.SharedMemoryRegistry, message: Any, caller: Caller | None
+    regions: shared_memory.SharedMemoryRegistry, message: Any, uid: Callable[[], int | None], caller: Caller | None
 ) -> shared_memory.RequestMemory | None:
-    """The regions a request's tensors name, leased (None: it names none); an error is the request's answer."""
+    """The regions a request's tensors name, leased (None: it names none); an error is the request's answer.
+    `uid`: the requesting user (service/frontends/peers.py), found only for a request that names a region."""
     if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
         return None
-    return regions.attach(message, caller)
+    return regions.attach(message, uid, caller)
 
 
 async def _abort(context: Context, e: ServingError) -> NoReturn:
@@ -237,10 +239,19 @@ class InferenceService:
     """inference.GRPCInferenceService over the data plane."""
 
     def __init__(
-        self, plane: DataPlane, regions: shared_memory.SharedMemoryRegistry, tokens: BearerTokens | None = None
+        self,
+        plane: DataPlane,
+        regions: shared_memory.SharedMemoryRegistry,
+        tokens: BearerTokens | None = None,
+        address: Callable[[], Address] = lambda: ("", 0),
     ) -> None:
         self.plane, self.regions = plane, regions
         self.tokens = tokens if tokens is not None else BearerTokens([])  # who a call is, with --isolate-tokens
+        self.address = address  # the server's (host, port): a peer's user is found by it
+
+    def _peer_uid(self, context: Context) -> int | None:
+        """The peer's local user (service/frontends/peers.py), asked for only by a request that names a region."""
+        return grpc_peer_uid(context.peer(), self.address())
 
     async def ServerLive(self, request: Any, context: Context) -> Any:
         return protocol.ServerLiveResponse(live=self.plane.live())
@@ -279,9 +290,9 @@ class InferenceService:
         return protocol.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: Any, context: Context) -> Any:
-        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
+        caller = self.tokens.caller_of(context.invocation_metadata())
         try:
-            memory = _attached(self.regions, request, caller)
+            memory = _attached(self.regions, request, partial(self._peer_uid, context), caller)
         except ServingError as e:
             await _abort(context, e)
         try:
@@ -305,12 +316,13 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
-        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
+        caller = self.tokens.caller_of(context.invocation_metadata())
+        uid = cache(partial(self._peer_uid, context))  # found once: a stream's requests share its connection
 
         async def answer(request: Any) -> None:
             memory = None
             try:
-                memory = _attached(self.regions, request, caller)
+                memory = _attached(self.regions, request, uid, caller)
                 outcome = await self.plane.infer(
                     decode_request(request, context, self.plane, "ModelStreamInfer", memory, caller)
                 )

@@ -446,7 +446,8 @@ class RestServer:
                 raise InvalidArgument(f'"{field}" must be a non-negative integer')
             sizes.append(value)
         offset, byte_size = sizes
-        self.regions.register(name, key, offset, byte_size, self._uid(request), self._caller(request))
+        uid = await asyncio.to_thread(self._uid, request)  # a thread: without sock_diag, /proc/net/tcp (10-20 ms)
+        self.regions.register(name, key, offset, byte_size, uid, self._caller(request))
         return web.Response(status=200)
 
     async def _shm_unregister(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
@@ -457,12 +458,14 @@ class RestServer:
 
     # --- inference ------------------------------------------------------------------------------------
 
-    def _attach(self, parsed: InferBody, caller: Caller | None) -> shared_memory.RequestMemory | None:
+    def _attach(
+        self, parsed: InferBody, request: web.BaseRequest, caller: Caller | None
+    ) -> shared_memory.RequestMemory | None:
         """The shared memory regions a request's tensors name, leased; its inputs there read from them."""
         if not parsed.shared_inputs and not parsed.shared_outputs:
             return None
         message = parsed.shared_message()
-        memory = self.regions.attach(message, caller)
+        memory = self.regions.attach(message, partial(self._uid, request), caller)
         if memory is None:
             return None
         by_name = {t.name: t for t in message.inputs}
@@ -479,7 +482,7 @@ class RestServer:
         parsed: InferBody = parse_infer(body, request.headers.get(HEADER_LENGTH), model, version)
         parsed.request.trace_context = self._carrier(request)
         parsed.request.caller = self._caller(request)
-        memory = self._attach(parsed, parsed.request.caller)
+        memory = self._attach(parsed, request, parsed.request.caller)
         try:
             outcome = await self.plane.infer(parsed.request)
             if isinstance(outcome, ServingError):

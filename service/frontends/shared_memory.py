@@ -17,14 +17,15 @@ descriptor closes when the last lease ends, so a request in flight never reads o
 Regions still leased count against the limits until then. Everything here runs on the event loop, except
 `RequestMemory`'s reads, which a worker thread may do while the request holds its leases.
 
-The server may open more than its clients may (it often runs as root), so it never opens an object for a
-client with more rights than that client has: the front end finds the registering peer's uid
-(service/frontends/peers.py), and the object is opened read-only, write-only or both, as its owner, group
-and mode let that uid, or refused PERMISSION_DENIED when they let it do neither. A region is used for an
-input only if it may be read, for an output only if it may be written, checked again against the object's
-mode at each use. A peer whose uid cannot be found is refused, unless the operator opted in
-(--shared-memory-unverified-peers); keys may be bound to a prefix (--shared-memory-key-prefix). With
---isolate-tokens each caller (service/callers.py) has its own regions: another's are NOT_FOUND to it.
+The server may open more than its clients may (it often runs as root), so it never acts on an object for a
+client beyond that client's own rights: the front end finds the peer's uid (service/frontends/peers.py);
+registering opens the object read-only, write-only or both, as its owner, group and mode let the
+registering uid, or refuses PERMISSION_DENIED when they let it do neither; and a request reads a region for
+an input only if its own uid may read the object, writes one for an output only if it may write it (by
+the object's mode at that request), and only within the rights the region was opened with. A peer whose
+uid cannot be found is refused, unless the operator opted in (--shared-memory-unverified-peers); keys may
+be bound to a prefix (--shared-memory-key-prefix). With --isolate-tokens each caller (service/callers.py)
+has its own regions: another's are NOT_FOUND to it.
 """
 
 from __future__ import annotations
@@ -85,11 +86,11 @@ class RegionStatus:
 class _Region:
     """A registered region: the object's open descriptor, whose it is, and the requests leasing it.
 
-    `uid`: the user that registered it (None: not known, the operator opted in); `rights`: whether `fd` was
-    opened for reading, and for writing; `owner`: the caller's name with --isolate-tokens, "" otherwise."""
+    `rights`: whether `fd` was opened for reading, and for writing (as the registering user may); `owner`:
+    the caller's name with --isolate-tokens, "" otherwise."""
 
-    def __init__(self, status: RegionStatus, fd: int, uid: int | None, rights: tuple[bool, bool], owner: str) -> None:
-        self.status, self.fd, self.uid, self.rights, self.owner = status, fd, uid, rights, owner
+    def __init__(self, status: RegionStatus, fd: int, rights: tuple[bool, bool], owner: str) -> None:
+        self.status, self.fd, self.rights, self.owner = status, fd, rights, owner
         self.leases = 0
         self.registered = True
 
@@ -97,19 +98,25 @@ class _Region:
     def name(self) -> str:
         return self.status.name
 
-    def check_access(self, write: bool, what: str) -> None:
-        """PERMISSION_DENIED unless the user that registered the region may, by the object's mode now, read it
-        (an input's region) or write it (an output's)."""
-        opened = self.rights[1 if write else 0]
-        if opened and (self.uid is None or self.uid == 0):  # the server's own rights, or root's: no mode to check
+    def check_access(self, write: bool, what: str, uid: int | None, unverified: bool) -> None:
+        """PERMISSION_DENIED unless the region was opened to be read (an input's) or written (an output's), and
+        the requesting user `uid` may do that to the object by its mode now (None: a user the server cannot
+        find, allowed only with `unverified`, --shared-memory-unverified-peers)."""
+        done = "written" if write else "read"
+        if not self.rights[1 if write else 0]:
+            why = "it was registered by a user without that right"
+        elif uid is None:
+            if unverified:
+                return
+            why = "the server cannot tell which user of its host the client is"
+        elif uid == 0:  # root may anything
             return
-        info = os.fstat(self.fd)
-        assert self.uid is not None  # opened with fewer rights only for a known user
-        if not opened or not access(self.uid, info)[1 if write else 0]:
-            why = _refusal(self.uid, self.status.key, info) if opened else "it was registered without that right"
-            raise PermissionDenied(
-                f"{what}: shared memory region {quote(self.name)} may not be {'written' if write else 'read'}: {why}"
-            )
+        else:
+            info = os.fstat(self.fd)
+            if access(uid, info)[1 if write else 0]:
+                return
+            why = _refusal(uid, self.status.key, info)
+        raise PermissionDenied(f"{what}: shared memory region {quote(self.name)} may not be {done}: {why}")
 
     def _truncated(self, end: int) -> InvalidArgument:
         size = os.fstat(self.fd).st_size
@@ -186,8 +193,10 @@ def _elements(tensor: Any) -> int:
 class RequestMemory:
     """The regions one request reads inputs from and writes outputs to, leased until `close`."""
 
-    def __init__(self, registry: SharedMemoryRegistry, owner: str = "") -> None:
+    def __init__(self, registry: SharedMemoryRegistry, owner: str, uid: Callable[[], int | None]) -> None:
         self._registry, self._owner = registry, owner
+        self._uid_of, self._uid_known = uid, False  # the requesting user, found when first needed
+        self._uid: int | None = None
         self._leased: list[_Region] = []
         self.inputs: dict[str, _Placement] = {}
         self.outputs: dict[str, _Placement] = {}
@@ -199,7 +208,7 @@ class RequestMemory:
         name, offset, byte_size = wanted
         region = self._registry.lease(name, what, self._owner)
         self._leased.append(region)
-        region.check_access(write, what)
+        region.check_access(write, what, self._requester(), self._registry.unverified_peers)
         size = region.status.byte_size
         if offset < 0 or byte_size < 0 or offset + byte_size > size:
             raise InvalidArgument(
@@ -207,6 +216,11 @@ class RequestMemory:
                 f"{quote(name)} ({size} bytes)"
             )
         return _Placement(region, offset, byte_size)
+
+    def _requester(self) -> int | None:
+        if not self._uid_known:
+            self._uid, self._uid_known = self._uid_of(), True
+        return self._uid
 
     def contents(self, tensor: Any) -> Callable[[], bytes] | None:
         """An input's raw contents, read from its region when asked (after its shape passed its limits);
@@ -355,7 +369,7 @@ class SharedMemoryRegistry:
         except BaseException:
             os.close(fd)
             raise
-        region = _Region(RegionStatus(name, key, offset, byte_size), fd, uid, rights, owner)
+        region = _Region(RegionStatus(name, key, offset, byte_size), fd, rights, owner)
         self._regions[owner, name] = region
         self._open.add(region)
 
@@ -457,11 +471,12 @@ class SharedMemoryRegistry:
         if region.leases == 0 and not region.registered:
             self._close(region)
 
-    def attach(self, request: Any, caller: Caller | None = None) -> RequestMemory | None:
-        """The regions a ModelInferRequest's tensors name, leased and bounds-checked; None when it names none."""
+    def attach(self, request: Any, uid: Callable[[], int | None], caller: Caller | None = None) -> RequestMemory | None:
+        """The regions a ModelInferRequest's tensors name, leased, bounds- and rights-checked (`uid`: the
+        requesting user, asked for only when a tensor names a region); None when it names none."""
         if not any(len(t.parameters) for t in (*request.inputs, *request.outputs)):
             return None  # most requests: no tensor has a parameter, so none names a region
-        memory = RequestMemory(self, _owner(caller))
+        memory = RequestMemory(self, _owner(caller), uid)
         try:
             for tensor in request.inputs:
                 if not len(tensor.parameters):

@@ -3,6 +3,7 @@ shared_memory.py), and CUDA shared memory answered UNIMPLEMENTED (qkv has no GPU
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import grpc
 from service import protocol
 from service.errors import ServingError
 from service.frontends import shared_memory
-from service.frontends.peers import Address, grpc_address, peer_uid
+from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 
 __all__ = ["SharedMemoryService"]
@@ -39,10 +40,10 @@ class SharedMemoryService:
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
 
-    def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
-        """The local user of the peer, when it is one of this host's (service/frontends/peers.py)."""
-        peer = grpc_address(context.peer())
-        return None if peer is None else peer_uid(peer, self.address())
+    async def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The local user of the peer, when it is one of this host's (service/frontends/peers.py): on a thread,
+        as where the kernel has no sock_diag it is looked for in /proc/net/tcp, 10-20 ms."""
+        return await asyncio.to_thread(grpc_peer_uid, context.peer(), self.address())
 
     async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         response = protocol.SystemSharedMemoryStatusResponse()
@@ -53,11 +54,9 @@ class SharedMemoryService:
 
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._call(context, self._may_change, context, "registering shared memory")
-        caller = self.tokens.caller_of(context.invocation_metadata())
-        r = request
-        await self._call(
-            context, self.regions.register, r.name, r.key, r.offset, r.byte_size, self._uid(context), caller
-        )
+        where = (request.name, request.key, request.offset, request.byte_size)
+        uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
+        await self._call(context, self.regions.register, *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -62,7 +62,7 @@ def _outer_request(n: int, m: int) -> protocol.ModelInferRequest:
 
 
 def test_an_ensemble_intermediate_of_2_gib_is_refused_before_its_step_runs(served: RunningServer) -> None:
-    """288 KiB of inputs whose outer product would be 2 GiB (the issue saw RSS +2.1 GiB, kept, and a 20.9 s
+    """288 KiB of inputs whose outer product would be 2 GiB (before these bounds: RSS +2.1 GiB, kept, and a 20.9 s
     stall with two clients looping): refused before the step's model runs, every time, by two clients."""
     body = _outer_request(65_536, 8_192).SerializeToString()
     answers: list[tuple[str, str]] = []
@@ -139,7 +139,7 @@ def _classified(rows: int, count: int) -> protocol.ModelInferRequest:
 
 
 def test_classification_of_a_64_x_512_output_with_any_count_is_bounded(served: RunningServer) -> None:
-    """g2p_encoder's [64, 512, 192] answer classified with a count of 10^18 (the issue: 30 s or more of the
+    """g2p_encoder's [64, 512, 192] answer classified with a count of 10^18 (before: 30 s or more of the
     event loop, RSS 4.8 GiB): MAX_CLASS_COUNT classes a row, built on a worker thread. The answer is computed
     and kept first, so that the attack times the classification alone."""
     with grpc.insecure_channel(served.url, options=OPTIONS) as channel:  # room for the 24 MiB answer
@@ -177,7 +177,7 @@ def _until(condition: Any, what: str) -> None:
 
 def test_the_first_request_cancelled_strands_none_of_the_three_that_joined_it(served: RunningServer) -> None:
     """Four identical requests queued behind a blocker: the first computes, three join it in the response
-    cache. The first's client cancels: all three are answered (the issue: 0 of 8 trials), with the answer
+    cache. The first's client cancels: all three are answered (before: 0 of 8 trials), with the answer
     the model gives alone, computed once."""
     rng = np.random.default_rng(21)
     with grpc.insecure_channel(served.url, options=OPTIONS) as channel:  # room for a blocker's answer
@@ -275,7 +275,7 @@ def _seen(stub: Any, token: str) -> tuple[int, int, int]:
 
 
 def test_a_token_learns_nothing_of_anothers_words_from_the_cache(isolated: RunningServer) -> None:
-    """Token alpha asks for words; bravo then asks for the same (the issue: bravo read alpha's words from
+    """Token alpha asks for words; bravo then asks for the same (before: bravo read alpha's words from
     `cache_hit` and from their 1.5 ms answers). Bravo's words are decoded as if never asked (no answer of
     alpha's reaches it), and each token's statistics count its own lookups alone."""
     with grpc.insecure_channel(isolated.url) as channel:

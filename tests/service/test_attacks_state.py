@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -135,6 +136,8 @@ for via, client in (("grpc", grpc_client), ("http", http_client)):
     status(f"register secret {via}", register(client, "secret", secret, size))
 status("secret as input", lambda: infer("secret"))
 status("secret as output", lambda: infer("secret", output=True))
+status("root's region as input", lambda: infer("rootsecret"))
+status("root's region as output", lambda: infer("rootsecret", output=True))
 status("register readable", register(grpc_client, "readable", readable, size))
 status("readable as output", lambda: infer("readable", output=True))
 r = status("readable as input", lambda: infer("readable"))
@@ -146,7 +149,8 @@ status("own as input", lambda: infer("own"))
 said["own sum"] = infer("own").as_numpy("OUTPUT0").tolist()
 infer("own", output=True)  # OUTPUT0 into the region: its first 64 bytes
 said["own written"] = shm.get_contents_as_numpy(handle, np.int32, [1, 16]).tolist()
-grpc_client.unregister_system_shared_memory(headers=headers)
+for name in ("readable", "own"):
+    grpc_client.unregister_system_shared_memory(name, headers=headers)
 shm.destroy_shared_memory_region(handle)
 print(json.dumps(said))
 """
@@ -209,15 +213,18 @@ def _opens(pid: int, path: Path) -> int:
 
 
 def test_a_local_user_reaches_no_object_it_cannot_open_itself(served: RunningServer) -> None:
-    """uid 65534 names root's 0600 object (88 secret bytes): refused on gRPC and HTTP, never opened, not a
-    byte read or written (before: all 88 read through an error message, 768 written). Root's 0644 object it
-    may read, not write: as an input it works, as an output it is refused. Its own object works both ways."""
+    """uid 65534 names root's 0600 object (88 secret bytes): refused on gRPC and HTTP, never opened for it,
+    not a byte read or written (before: all 88 read through an error message, 768 written); names root's
+    region of that object: refused too. Root's 0644 object it may read, not write: as an input it works, as
+    an output it is refused. Its own object works both ways."""
     python, env = _nobody_python()
     secret = _root_object("secret", SECRET, 0o600)
     readable = _root_object("readable", X0.tobytes(), 0o644)
     own = _key("own")
     args = [python, "-c", NOBODY_CLIENT, served.url, served.http_url, _key("secret"), _key("readable"), own]
     client = _started_as_nobody([*args, str(SIZE)], env)
+    root = g.InferenceServerClient(served.url)
+    root.register_system_shared_memory("rootsecret", _key("secret"), SIZE, headers=_auth("alpha"))  # root's own
     try:
         assert client.stdout is not None and client.stdout.readline() == "ready\n", client.communicate(timeout=60)
 
@@ -236,16 +243,21 @@ def test_a_local_user_reaches_no_object_it_cannot_open_itself(served: RunningSer
         assert said["register secret http"].startswith("403"), said
         for what in ("secret as input", "secret as output"):  # never registered: there is no such region
             assert said[what].startswith("NOT_FOUND") and "'secret'" in said[what], said[what]
+        for what in ("root's region as input", "root's region as output"):  # root's region, named: its mode holds
+            assert said[what].startswith("PERMISSION_DENIED") and "uid 65534 may not open" in said[what], said[what]
         assert said["register readable"] == "OK"
         assert said["readable as output"].startswith("PERMISSION_DENIED"), said
         assert "may not be written" in said["readable as output"] and "'readable'" in said["readable as output"]
         assert said["readable as input"] == "OK" and said["readable sum"] == (X0 + X1).tolist()
         assert said["register own"] == said["own as input"] == "OK"
         assert said["own sum"] == (X0 + X1).tolist() and said["own written"] == (X0 + X1).tolist()
-        # not a byte read or written: root's objects are as they were, and the server never held the secret open
+        # not a byte read or written: root's objects are as they were, and the server held the secret open only
+        # for root's own region
+        root.unregister_system_shared_memory("rootsecret", headers=_auth("alpha"))
         assert secret.read_bytes() == SECRET and readable.read_bytes() == X0.tobytes()
         assert _opens(served.process.pid, secret) == 0
     finally:
+        root.unregister_system_shared_memory(headers=_auth("alpha"))
         if client.poll() is None:
             client.kill()
             client.wait()
@@ -324,6 +336,19 @@ def _sequence_input(value: int, module: Any = g) -> list[Any]:
     return [x]
 
 
+def _stream_status(client: Any, inputs: list[Any], sequence_id: str, headers: dict[str, str]) -> str:
+    """One request of a sequence on a ModelStreamInfer stream: OK, or its error (the stream's caller is its
+    token's)."""
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error or result), headers=headers)
+    try:
+        client.async_stream_infer(SEQUENCE_MODEL, inputs, sequence_id=sequence_id)
+        answer = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+    return f"{answer.message()}" if isinstance(answer, InferenceServerException) else "OK"
+
+
 def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
     """Token B steps on, reads the state of and ends token A's sequence (before: B decoded A's state): each
     NOT_FOUND; B's own start of that id is a sequence of its own; A's sums go on untouched."""
@@ -350,11 +375,12 @@ def test_another_tokens_sequence_is_not_found(served: RunningServer) -> None:
         said["http step"] = _status(
             lambda: http.infer(SEQUENCE_MODEL, _sequence_input(1, h), sequence_id="7", headers=_auth("bravo"))
         )
+        said["stream step"] = _stream_status(client, _sequence_input(1), "7", b)
         return said["step"].split(":")[0], json.dumps(said)
 
     code, _ = _attack_as(served, "sequences: token B on token A's sequence (isolation on)", send)
     assert code == "NOT_FOUND"
-    for what in ("step", "state", "end", "http step"):
+    for what in ("step", "state", "end", "http step", "stream step"):
         assert said[what].startswith(("NOT_FOUND", "404")) and "sequence '7' is not live" in said[what], said[what]
     start = client.infer(SEQUENCE_MODEL, _sequence_input(100), sequence_id="7", sequence_start=True, headers=b)
     assert total(start) == 100

@@ -62,6 +62,12 @@ CASES = {
     "serve missing repository": ("serve --model-repository {missing}", "{missing}", None),
     "serve repository a file": ("serve --model-repository {file}", "{file}", None),
     "serve token file a directory": ("serve --auth-token-file {directory}", "{directory}", None),
+    "serve --token-share 0": ("serve --token-share 0", "--token-share 0", None),
+    "serve --isolate-tokens without tokens": (
+        "serve --isolate-tokens",
+        "--isolate-tokens needs --auth-token-file",
+        None,
+    ),
 }
 
 

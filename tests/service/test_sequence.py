@@ -641,3 +641,37 @@ def test_one_caller_holds_its_share_and_the_others_still_start_sequences(bound: 
 
     assert asyncio.run(test(1.0)) == (8, 0)
     assert asyncio.run(test(0.5)) == (4, 4)
+
+
+def test_a_callers_growing_state_ends_at_its_share_and_the_others_grow_on() -> None:
+    """A state that grows 4 bytes a request (a key/value cache's way), max_state_bytes 64 and a share of 0.5:
+    the greedy caller's sequence ends when it would pass 32 bytes; the victim's grows to its own 32."""
+    grows = StateSpec("STATE_IN", "STATE_OUT", "INT32", (-1,))
+
+    def model(steps: list[SequenceStep], instance: int) -> list[Any]:
+        return [
+            {"OUTPUT": s.feeds["INPUT"], "STATE_OUT": np.concatenate([s.feeds["STATE_IN"], s.feeds["INPUT"]], axis=1)}
+            for s in steps
+        ]
+
+    async def grown(b: SequenceBatcher, caller: Caller, sid: int) -> tuple[int, str]:
+        """Requests answered until the first refusal, and why it was."""
+        for n in range(20):
+            try:
+                await b.submit(_as(caller, step(sid, 1, start=n == 0)))
+            except ResourceExhausted as e:
+                return n, str(e)
+        return 20, ""
+
+    async def test() -> None:
+        c = SequenceConfig(strategy="oldest", controls=CONTROLS, states=(grows,), max_state_bytes=64)
+        b = SequenceBatcher("grow", c, model, 1, 1, Clock())
+        b.start()
+        greedy, why = await grown(b, Caller("token 1", 0.5), 1)
+        assert greedy == 7 and "this caller's share" in why, (greedy, why)  # 4 initial bytes, +4 each: 32 at 7
+        assert 1 not in b.live and ("token 1", 1) not in b.live  # the sequence ended with the refusal
+        victim, why = await grown(b, Caller("token 2", 0.5), 2)
+        assert victim == 7 and "this caller's share" in why, (victim, why)
+        await b.close()
+
+    run(test)

@@ -29,7 +29,7 @@ from service import protocol
 from service.bench.servers import scrape, variant
 from service.callers import Caller
 from service.errors import NotFound, PermissionDenied, ResourceExhausted
-from service.frontends.peers import access, grpc_address, peer_uid
+from service.frontends.peers import _proc_uid, access, grpc_address, peer_uid
 from service.frontends.security import BearerTokens
 from service.frontends.shared_memory import SharedMemoryRegistry, check_may_change, peer_host
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
@@ -507,11 +507,12 @@ def test_the_peers_uid_is_that_of_its_socket() -> None:
         port = listener.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as client, listener.accept()[0]:
             peer = client.getsockname()
-            assert peer_uid(peer, ("127.0.0.1", port)) == os.getuid()
-            assert peer_uid(peer, ("0.0.0.0", port)) == os.getuid()
-            assert peer_uid(("::ffff:127.0.0.1", peer[1]), ("::", port)) == os.getuid()
-            assert peer_uid(peer, ("127.0.0.1", port + 1)) is None  # not a connection to that port
-            assert peer_uid(("192.0.2.1", peer[1]), ("127.0.0.1", port)) is None  # beyond this host
+            for find in (peer_uid, _proc_uid):  # by sock_diag, and by /proc/net/tcp where there is no netlink
+                assert find(peer, ("127.0.0.1", port)) == os.getuid()
+                assert find(peer, ("0.0.0.0", port)) == os.getuid()
+                assert find(("::ffff:127.0.0.1", peer[1]), ("::", port)) == os.getuid()
+                assert find(peer, ("127.0.0.1", port + 1)) is None  # not a connection to that port
+                assert find(("192.0.2.1", peer[1]), ("127.0.0.1", port)) is None  # beyond this host
     assert grpc_address("ipv4:127.0.0.1:5000") == ("127.0.0.1", 5000)
     assert grpc_address("ipv6:%5B::1%5D:5000") == ("::1", 5000)
     assert grpc_address("unix:/tmp/socket") is None
@@ -545,16 +546,26 @@ def test_a_region_is_opened_with_the_registering_users_rights_and_used_within_th
     regions.register("writable", "/writable", 0, SIZE, nobody)
     flags = {r.name: fcntl.fcntl(r.fd, fcntl.F_GETFL) & os.O_ACCMODE for r in regions._regions.values()}
     assert flags == {"readable": os.O_RDONLY, "writable": os.O_WRONLY}  # no more than the user may
-    regions.register("mine", "/readable", 0, SIZE, 0)  # root may anything
-    regions.lease("readable", "input", "").check_access(False, "input")
-    with pytest.raises(PermissionDenied, match="'readable' may not be written"):
-        regions.lease("readable", "output", "").check_access(True, "output")
+    regions.register("mine", "/secret", 0, SIZE, 0)  # root may anything
+
+    def use(name: str, write: bool, uid: int | None, unverified: bool = False) -> None:
+        regions.lease(name, "output" if write else "input", "").check_access(write, "a tensor", uid, unverified)
+
+    use("readable", False, nobody)
+    with pytest.raises(PermissionDenied, match="'readable' may not be written: it was registered by a user without"):
+        use("readable", True, nobody)
+    use("mine", True, 0)
+    with pytest.raises(PermissionDenied, match=r"'mine' may not be read: uid 65534 may not open '/secret'"):
+        use("mine", False, nobody)  # root's region, named by another user: only as far as that user may
+    with pytest.raises(PermissionDenied, match="cannot tell which user"):
+        use("mine", False, None)
+    use("mine", False, None, unverified=True)  # the operator opted in
     os.chmod(tmp_path / "readable", 0o600)  # checked again at each use, against the mode now
     with pytest.raises(PermissionDenied, match="'readable' may not be read"):
-        regions.lease("readable", "input", "").check_access(False, "input")
+        use("readable", False, nobody)
     os.chmod(tmp_path / "readable", 0o666)  # a right the user gained since is not one the region has
-    with pytest.raises(PermissionDenied, match="'readable' may not be written: it was registered without"):
-        regions.lease("readable", "output", "").check_access(True, "output")
+    with pytest.raises(PermissionDenied, match="'readable' may not be written: it was registered by a user without"):
+        use("readable", True, nobody)
     regions.close()
 
 
