@@ -84,9 +84,14 @@ class ServerSettings:
         19, "how much lower (nice, 0-19) compute threads run than the gRPC event loop: refusals and health stay prompt"
     )
     # Only models whose config.json enables it use the cache, so the bound costs nothing until one does;
-    # 64 MiB keeps some hundred thousand g2p answers or a few thousand encoder outputs.
+    # 64 MiB keeps some 86,000 g2p words (35,000 with attention) or a few thousand encoder outputs.
     cache_size: int = _setting(
         64 << 20, "bytes of answers the response cache may hold, all models together (0: no cache)"
+    )
+    cache_across_tokens: bool = _setting(
+        False,
+        "with --isolate-tokens: response cache answers reach every token's requests (default: each token's own); "
+        "a token's statistics count its own cache hits either way",
     )
     shared_memory_max_regions: int = _setting(
         64, "system shared memory regions open at once (registered, or unregistered and still in use), at most; 0: off"

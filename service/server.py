@@ -89,7 +89,7 @@ class Server:
         self.tracing = _tracing(settings)
         self.cache: ResponseCache[Result] | None = None  # --cache-size 0: none
         if settings.cache_size > 0:
-            self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics))
+            self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics), settings.cache_across_tokens)
         self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing, self.cache)
         self.plane = DataPlane(
             self.registry, self.metrics, settings, self.tracing, self.return_memory_later, self.cache

@@ -291,7 +291,8 @@ class InferenceService:
 
     async def ModelStatistics(self, request: Any, context: Context) -> Any:
         chosen = await _answered(context, partial(self.plane.statistics, request.name, request.version))
-        return statistics_message(chosen, self.plane.cache)
+        caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
+        return statistics_message(chosen, self.plane.cache, caller)
 
     async def RepositoryIndex(self, request: Any, context: Context) -> Any:
         return index_message(self.plane.index(ready_only=request.ready))

@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from service import protocol
+from service.callers import Caller
 from service.models.catalog import BATCHING_SHOWN, ServedVersion
 from service.models.response_cache import ResponseCache
 from service.serving.dataplane import ServerInfo
@@ -142,8 +143,11 @@ def _duration(count: int, ns: int) -> Any:
     return protocol.StatisticDuration(count=count, ns=ns)
 
 
-def statistics_message(models: Iterable[ServedVersion], cache: ResponseCache[Any] | None = None) -> Any:
-    """Triton's ModelStatistics of `models`, with the response cache's hits and misses for those that use it."""
+def statistics_message(
+    models: Iterable[ServedVersion], cache: ResponseCache[Any] | None = None, caller: Caller | None = None
+) -> Any:
+    """Triton's ModelStatistics of `models`, with the response cache's hits and misses for those that use it:
+    with isolated tokens, those of the `caller`'s own requests alone."""
     response = protocol.ModelStatisticsResponse()
     for m in models:
         s = m.stats.snapshot()
@@ -163,7 +167,7 @@ def statistics_message(models: Iterable[ServedVersion], cache: ResponseCache[Any
         i.compute_infer.CopyFrom(_duration(s.success_count, s.request_compute_ns))
         i.compute_output.CopyFrom(_duration(s.success_count, 0))
         if cache is not None and m.config.response_cache:
-            c = cache.counts(m.name, m.version)
+            c = cache.counts(m.name, m.version, caller)
             i.cache_hit.CopyFrom(_duration(c.hits, 0))
             i.cache_miss.CopyFrom(_duration(c.misses, 0))
         for size, (count, ns) in sorted(s.batches.items()):

@@ -359,7 +359,8 @@ class RestServer:
         return _json(message_json(answer.config))  # Triton answers the config itself, unwrapped
 
     async def _stats(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        return _json(message_json(statistics_message(self.plane.statistics(model, version), self.plane.cache)))
+        answer = statistics_message(self.plane.statistics(model, version), self.plane.cache, self._caller(request))
+        return _json(message_json(answer))
 
     async def _load(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         """Triton's load: {"parameters": {"config": "<config.json as a string>"}} (the body is optional)."""

@@ -5,11 +5,15 @@ runs the steps that lead to the outputs it asks for, each as soon as the tensors
 (independent steps run at once). Each step is a request to its model through the server's data plane
 (`Steps`): arrays in, arrays out, never re-encoded; the step's model batches it with its other
 requests, counts it in its own metrics and statistics, and traces it as a child of the ensemble's
-request. A step that fails fails the request, with the step and its model named.
+request. A step that fails fails the request, with the step and its model named. Before a step runs,
+each output it is asked for is predicted from its inputs' shapes and its model's declarations
+(service/models/output_bounds.py) and refused over the limit of a tensor: an intermediate is bounded
+before it exists.
 
 At load, the step models must be served, and every tensor must agree: each mapped name is an input or
-output of its step's model, and each ensemble tensor has one datatype and compatible shapes wherever it
-is written and read. A step model loaded later in another form is checked again by its requests.
+output of its step's model, each ensemble tensor has one datatype and compatible shapes wherever it
+is written and read, and every output a step writes has a size that its inputs or a declared limit
+bound. A step model loaded later in another form is checked again by its requests.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from service.datatypes import InputLimits
-from service.errors import InvalidArgument, ServingError, quote
+from service.datatypes import MAX_ELEMENTS, InputLimits
+from service.errors import FailedPrecondition, Internal, InvalidArgument, ServingError, quote
 from service.models.kinds import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
+from service.models.output_bounds import Declared, predicted, unbounded
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.repository.ensemble_config import EnsembleConfig, EnsembleStep
@@ -95,6 +100,14 @@ def _agree(written: tuple[TensorSpec, str], read: TensorSpec, reader: str, tenso
         )
 
 
+def _declared(model: StepModel) -> Declared:
+    """What bounds a step model's outputs: its inputs, batch axis, and the limits its kind or config.json
+    declares (an ensemble's outputs are each within MAX_ELEMENTS: its own steps are checked)."""
+    axis_limits = getattr(model, "axis_limits", None)  # a kind that bounds its own axes (g2p's words)
+    most = getattr(model, "max_output_elements", None)  # a kind that bounds its outputs whole (limits, an ensemble)
+    return Declared(tuple(model.inputs), model.max_batch_size > 0, axis_limits or {}, most)
+
+
 def _renamed(error: ServingError, message: str) -> ServingError:
     """`error` (its code and retry advice kept) saying `message`."""
     out = copy.copy(error)
@@ -109,6 +122,7 @@ class EnsembleModel:
     kind = "ensemble"
     platform = "ensemble"
     compute_span = "qkv.ensemble"
+    max_output_elements = MAX_ELEMENTS  # each of its outputs: its own steps are held to the limit of a tensor
     provider = "ensemble"  # no sessions of its own: its steps' models have theirs
 
     def __init__(self, config: ModelConfig, steps: Steps | None, observer: ModelObserver) -> None:
@@ -180,11 +194,18 @@ class EnsembleModel:
             unmapped = sorted(set(ins) - {k for k, _ in step.input_map})
             if unmapped:
                 raise RepositoryError(f"{where}: {step.describe()}: input(s) {unmapped} are in no input_map")
+            declared = _declared(model)
             for model_tensor, tensor in step.output_map:
                 if model_tensor not in outs:
                     raise RepositoryError(
                         f"{where}: {step.describe()}: output_map names output {quote(model_tensor)}, which the "
                         f"model does not have (outputs: {', '.join(sorted(outs))})"
+                    )
+                why = unbounded(declared, outs[model_tensor])
+                if why:
+                    raise RepositoryError(
+                        f"{where}: {step.describe()}: output {quote(model_tensor)}: {why}, so its size cannot be "
+                        "known before the step runs (set limits.max_output_elements in the model's config.json)"
                     )
                 written[tensor] = (outs[model_tensor], f"{step.describe()} output '{model_tensor}'")
             if self.max_batch_size > model.max_batch_size:
@@ -258,9 +279,42 @@ class EnsembleModel:
         asked = [model_tensor for model_tensor, _ in step.output_map]
         started = time.perf_counter()
         try:
+            bounds = self._check_bounds(step, feeds, asked)
             answered, length = await self._steps.run_step(self.name, step, feeds, asked, params, deadline, trace)
+            for name, most in bounds.items():
+                if answered[name].size > most:
+                    raise Internal(
+                        f"output {quote(name)} holds {answered[name].size:,} elements, more than its model declares "
+                        f"({most:,} for these inputs)"
+                    )
         except ServingError as e:
             self._observer.step(step.position, step.model_name, e.code, time.perf_counter() - started)
             raise _renamed(e, f"ensemble '{self.name}' {step.describe()}: {e.message}") from None
         self._observer.step(step.position, step.model_name, "OK", time.perf_counter() - started)
         return {tensor: answered[model_tensor] for model_tensor, tensor in step.output_map}, length
+
+    def _check_bounds(self, step: EnsembleStep, feeds: Tensors, asked: list[str]) -> dict[str, int]:
+        """Each output the step is asked for, predicted from its inputs and its model's declarations, within
+        the limit of a tensor: refused before the model runs (and allocates it), not at the next step.
+        Returns each output's elements at most, which its answer is held to."""
+        model = self._steps.step_model(step.model_name, step.model_version)
+        declared, outs = _declared(model), {s.name: s for s in model.outputs}
+        bounds = {}
+        for name in asked:
+            spec = outs.get(name)
+            if spec is None:  # a model reloaded in another form: its own checks answer
+                continue
+            bound = predicted(declared, spec, feeds)
+            if bound is None:  # (the load refused such a model; this one was reloaded in another form since)
+                raise FailedPrecondition(
+                    f"output {quote(name)}: {unbounded(declared, spec)}, since its model was reloaded: reload the "
+                    "ensemble, or set limits.max_output_elements in the model's config.json"
+                )
+            if bound.elements > MAX_ELEMENTS:
+                shape = f"shape up to {list(bound.shape)}, " if bound.shape is not None else ""
+                raise InvalidArgument(
+                    f"output {quote(name)} would hold {shape}{bound.elements:,} elements for these inputs, over "
+                    f"the limit of {MAX_ELEMENTS:,} a tensor: refused before the step runs"
+                )
+            bounds[name] = bound.elements
+        return bounds

@@ -25,7 +25,7 @@ import numpy as np
 from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
 from service.errors import Internal, InvalidArgument, ServingError, quote
 from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
-from service.models.response_cache import ResponseCache
+from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.models.warmup import graph_feeds
@@ -285,6 +285,9 @@ class TensorModel:
         self.vocab_size = {k: int(v) for k, v in (config.limits.get("vocab_size") or {}).items()}
         # input name -> (lowest, highest): every value must lie within
         self.value_range: dict[str, tuple[float, float]] = dict(config.limits.get("value_range") or {})
+        # elements of one output, at most, where no input bounds it: what lets it be an ensemble's step
+        most = config.limits.get("max_output_elements")
+        self.max_output_elements = None if most is None else int(most)
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
@@ -757,9 +760,10 @@ def _control_character(text: str) -> str | None:
     return next((c for c in text if unicodedata.category(c) == "Cc" and not c.isspace()), None)
 
 
-def _hypothesis_bytes(h: Hypothesis) -> int:
-    """What a kept word's answer holds: its tokens and attention rows."""
-    return 8 * (len(h.tokens) + len(h.src)) + sum(a.nbytes for a in h.attention)
+def _kept(h: Hypothesis) -> Hypothesis:
+    """A word's answer as the cache keeps it: no caller's handle, and attention rows of their own (a beam's
+    rows are views of the whole beam's history, which a kept row would hold)."""
+    return replace(h, tag=None, attention=[a if a.base is None else a.copy() for a in h.attention])
 
 
 class G2PModel:
@@ -787,6 +791,13 @@ class G2PModel:
         self.max_words = int(limits.get("max_words", 64))
         self.max_element_bytes = int(limits.get("max_element_bytes", 1024))
         self.max_beam_size = int(limits.get("max_beam_size", 8))
+        # Its outputs' dynamic axes, at most (an ensemble bounds a step's outputs before it runs): the words read
+        # (each word written reads as SPOKEN_PER_WORD at most), a word's phonemes, a decoded word's letters.
+        self.axis_limits = {
+            "word": SPOKEN_PER_WORD * self.max_words,
+            "phoneme": self.max_output_length,
+            "grapheme": self.max_word_length,
+        }
         self.max_batch_size = config.batching.max_batch_size
         pinned = config.card.get("text_normalization", RULES)
         if pinned != RULES:
@@ -963,7 +974,8 @@ class G2PModel:
             hyps = [h if h is not None else by_word[w] for w, h in zip(words, hyps, strict=True)]
             if self.cache is not None:
                 for i, h in zip(firsts, fresh, strict=True):  # kept without its request (`tag`)
-                    self.cache.put(keys[i], replace(h, tag=None), _hypothesis_bytes(h), self.name, self.version)
+                    kept = _kept(h)
+                    self.cache.put(keys[i], kept, deep_size(kept), self.name, self.version)
         return [h for h in hyps if h is not None]  # every word has its hypothesis now
 
     async def _decode(

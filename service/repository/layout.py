@@ -256,7 +256,7 @@ TRITON_FIELDS = frozenset({
     "model_repository_agents",
 })  # fmt: skip
 LIMITS = {
-    "tensor": ("max_sequence_length", "vocab_size", "value_range"),
+    "tensor": ("max_sequence_length", "vocab_size", "value_range", "max_output_elements"),
     "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
     "ensemble": (),
 }

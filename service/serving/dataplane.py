@@ -37,7 +37,7 @@ from service.errors import (
 from service.models.catalog import ServedVersion
 from service.models.classification import classify
 from service.models.kinds import Result
-from service.models.response_cache import ResponseCache
+from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.observability import logs
 from service.observability.metrics import UNKNOWN_MODEL, Metrics, VersionSeries, seq_len_bucket
@@ -249,7 +249,8 @@ class DataPlane:
             self._log_access(request, code, seconds, seq_len)
             if model is not None:
                 model.in_flight.leave()
-            if code == "INVALID_ARGUMENT" or _large(request):
+            # (an ensemble's step with a large answer: an intermediate, which a small request can make)
+            if code == "INVALID_ARGUMENT" or _large(request) or (request.step_of and _large_answer(outcome)):
                 self.large_request_done()
         assert outcome is not None  # answered, or refused with a ServingError
         return outcome
@@ -328,10 +329,14 @@ class DataPlane:
             cache = self.cache
             if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
                 k = _cache_key(model, inputs, outputs, params)
-                result, _ = await cache.get_or_compute(k, model.name, model.version, infer, _result_bytes)
+
+                async def kept() -> Result:
+                    return _owned(await infer())
+
+                result, _ = await cache.get_or_compute(k, model.name, model.version, kept, deep_size, request.deadline)
             else:
                 result = await infer()
-            classified = _classified(request, model, result.outputs)
+            classified = await _classified(request, model, result.outputs)
             return result if classified is result.outputs else replace(result, outputs=classified)
         finally:
             CALLER.reset(caller)
@@ -386,32 +391,48 @@ def _cache_key(
     return cache_key(parts)
 
 
-def _result_bytes(result: Result) -> int:
-    """What an answer holds in memory, for the cache's bound."""
-    total = 0
-    for a in result.outputs.values():
-        total += a.nbytes + (sum(len(x) for x in a.reshape(-1)) if a.dtype == np.object_ else 0)
-    return total
+def _owned(result: Result) -> Result:
+    """`result` with each output an array of its own: a kept answer holds its rows, not its batch's."""
+    outputs = {n: a.copy() if a.base is not None else a for n, a in result.outputs.items()}
+    return replace(result, outputs=outputs)
 
 
-def _classified(request: InferRequest, model: ServedVersion, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES)."""
-    counts = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
-    if not counts:
+async def _classified(
+    request: InferRequest, model: ServedVersion, outputs: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Outputs asked for with Triton's `classification` parameter, as their top k classes (BYTES); on a
+    worker thread when the outputs are large, so that the event loop answers others meanwhile."""
+    asked = {o.name: o.parameters["classification"] for o in request.outputs if "classification" in o.parameters}
+    if not asked:
         return outputs
-    labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
-    out = dict(outputs)
-    for name, count in counts.items():
+    counts: dict[str, int] = {}
+    for name, count in asked.items():
         if isinstance(count, bool) or not isinstance(count, int):
             raise InvalidArgument(f"output {quote(name)}: classification must be an integer class count")
-        out[name] = classify(outputs[name], count, labels.get(name, ()), model.max_batch_size > 0, name)
-    return out
+        counts[name] = count
+    labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
+    batched = model.max_batch_size > 0
+
+    def classified() -> dict[str, np.ndarray]:
+        out = dict(outputs)
+        for name, count in counts.items():
+            out[name] = classify(outputs[name], count, labels.get(name, ()), batched, name)
+        return out
+
+    if sum(outputs[name].size for name in counts) > THREAD_ELEMENTS:
+        return await asyncio.to_thread(classified)
+    return classified()
 
 
 def _large(request: InferRequest) -> bool:
     """Whether a request held many entries or elements (len() alone, for the entries)."""
     fields = len(request.inputs) + len(request.outputs) + len(request.parameters)
     return fields > LARGE_FIELDS or request.elements > THREAD_ELEMENTS
+
+
+def _large_answer(outcome: InferResponse | ServingError | None) -> bool:
+    """Whether an answer held many elements (an ensemble step's intermediate, built by a small request)."""
+    return isinstance(outcome, InferResponse) and sum(a.size for a in outcome.outputs.values()) > THREAD_ELEMENTS
 
 
 def _misnamed(names: Sequence[InferInput] | Sequence[RequestedOutput], known: list[str], what: str, model: str) -> str:

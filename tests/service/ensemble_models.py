@@ -15,7 +15,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-__all__ = ["LABELS", "classify_pixels", "image_pipeline", "ppm_bytes", "save", "scale_add"]
+__all__ = [
+    "LABELS",
+    "classify_pixels",
+    "image_pipeline",
+    "outer_product",
+    "ppm_bytes",
+    "save",
+    "scale_add",
+    "unbounded_repeat",
+]
 
 LABELS = [f"class_{i}" for i in range(10)]
 HEADER = 4  # P3, width, height, max value
@@ -157,3 +166,68 @@ def scale_add(root: Path) -> None:
         },
     }
     (root / "fan" / "config.json").write_text(json.dumps(config))
+
+
+def outer_product(root: Path, name: str = "outer_sum") -> None:
+    """`outer` (A FP32 [batch, n], B FP32 [batch, m] -> P FP32 [batch, n, m], the outer product of each row),
+    `total` (P -> S FP32 [batch], the sum of each), and the ensemble `name` of the two: A, B -> S. A request
+    of [1, 65536] and [1, 8192] (288 KiB) would make P 2 GiB."""
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, ["batch", "n"])
+    b = helper.make_tensor_value_info("B", TensorProto.FLOAT, ["batch", "m"])
+    p = helper.make_tensor_value_info("P", TensorProto.FLOAT, ["batch", "n", "m"])
+    inits = [
+        helper.make_tensor("last", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("middle", TensorProto.INT64, [1], [1]),
+    ]
+    nodes = [
+        helper.make_node("Unsqueeze", ["A", "last"], ["column"]),  # [batch, n, 1]
+        helper.make_node("Unsqueeze", ["B", "middle"], ["row"]),  # [batch, 1, m]
+        helper.make_node("Mul", ["column", "row"], ["P"]),  # [batch, n, m]
+    ]
+    save(helper.make_graph(nodes, "outer", [a, b], [p], inits), root / "outer", {"max_batch_size": 8})
+    s = helper.make_tensor_value_info("S", TensorProto.FLOAT, ["batch"])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])
+    total = helper.make_node("ReduceSum", ["P", "axes"], ["S"], keepdims=0)
+    save(helper.make_graph([total], "total", [p], [s], [axes]), root / "total", {"max_batch_size": 8})
+    (root / name / "1").mkdir(parents=True)
+    config = {
+        "kind": "ensemble",
+        "max_batch_size": 8,
+        "inputs": [
+            {"name": "A", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "B", "datatype": "FP32", "shape": [-1, -1]},
+        ],
+        "outputs": [{"name": "S", "datatype": "FP32", "shape": [-1]}],
+        "ensemble_scheduling": {
+            "step": [
+                {"model_name": "outer", "input_map": {"A": "A", "B": "B"}, "output_map": {"P": "product"}},
+                {"model_name": "total", "input_map": {"P": "product"}, "output_map": {"S": "S"}},
+            ]
+        },
+    }
+    (root / name / "config.json").write_text(json.dumps(config))
+
+
+def unbounded_repeat(root: Path, name: str, limit: int | None) -> None:
+    """`{name}_step` (X FP32 [batch, 4], R INT64 [2] -> Y FP32 [batch, ?]: X tiled R times, an output dimension
+    that no input's bounds) and the ensemble `name` of it; with `limit`, the step model's config.json declares
+    limits.max_output_elements."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])
+    r = helper.make_tensor_value_info("R", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", None])
+    tile = helper.make_node("Tile", ["X", "R"], ["Y"])
+    step_config: dict[str, Any] = {} if limit is None else {"limits": {"max_output_elements": limit}}
+    save(helper.make_graph([tile], "tile", [x, r], [y]), root / f"{name}_step", step_config)
+    (root / name / "1").mkdir(parents=True)
+    config = {
+        "kind": "ensemble",
+        "inputs": [
+            {"name": "X", "datatype": "FP32", "shape": [-1, 4]},
+            {"name": "R", "datatype": "INT64", "shape": [2]},
+        ],
+        "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1, -1]}],
+        "ensemble_scheduling": {
+            "step": [{"model_name": f"{name}_step", "input_map": {"X": "X", "R": "R"}, "output_map": {"Y": "Y"}}]
+        },
+    }
+    (root / name / "config.json").write_text(json.dumps(config))

@@ -64,6 +64,13 @@ async def until_computing(server: RunningServer, first: Any) -> None:
 
 
 ENCODER_VOCAB = 33  # g2p_encoder's input vocabulary
+# g2p_encoder's config.json changes for the response cache's tests: its answers kept, one instance, and a queue
+# that holds a blocker's rows and the requests behind it
+ENCODER_CACHED = {
+    "instances": 1,
+    "response_cache": {"enable": True},
+    "batching": {"inline_max_tokens": 0, "max_queue_wait_ms": 600_000, "max_queue_tokens": 65536},
+}
 
 
 def blocker_request(rows: int, rng: np.random.Generator) -> Any:

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument
-from service.models.classification import classify
+from service.models.classification import MAX_CLASS_COUNT, classify
 from service.repository.layout import MAX_LABELS_BYTES, RepositoryError, load_model_config
 from tests.conftest import RunningServer, start_server, stop_server
 
@@ -130,6 +130,33 @@ def test_classification_ranks_by_value_highest_first_ties_by_index() -> None:
     for bad, count in ((np.array(["x"], dtype=np.object_), 1), (scores, 0)):
         with pytest.raises(InvalidArgument):
             classify(bad, count, (), True, "P")
+
+
+def test_classification_picks_what_a_full_sort_picks_and_clamps_the_count() -> None:
+    """The partial top k is the full stable sort's first k, ties and NaN included; a count above
+    MAX_CLASS_COUNT answers MAX_CLASS_COUNT classes a row."""
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.int64):
+        scores = rng.integers(-5, 5, (6, 40)).astype(dtype)  # many ties
+        if dtype == np.float32:
+            scores[1, 3:9] = np.nan
+        for k in (1, 7, 39, 40):
+            expected = [
+                [
+                    f"{float(v):f}" if dtype == np.float32 else str(v)
+                    for v in row[np.argsort(-np.nan_to_num(row.astype(np.float64), nan=-np.inf), kind="stable")[:k]]
+                ]
+                for row in scores
+            ]
+            got = [[x.decode().split(":")[0] for x in row] for row in classify(scores, k, (), True, "P")]
+            assert got == expected, (dtype, k)
+            indices = [[int(x.decode().split(":")[1]) for x in row] for row in classify(scores, k, (), True, "P")]
+            keys = -np.nan_to_num(scores.astype(np.float64), nan=-np.inf)
+            assert indices == np.argsort(keys, axis=1, kind="stable")[:, :k].tolist(), (dtype, k)
+    wide = rng.standard_normal((2, 5000)).astype(np.float32)
+    top = classify(wide, 10**9, (), True, "P")
+    assert top.shape == (2, MAX_CLASS_COUNT)
+    assert int(top[0, 0].decode().split(":")[1]) == int(np.argmax(wide[0]))
 
 
 def test_classification_over_grpc_and_http_with_labels_and_the_config_triton_clients_read(
