@@ -2,7 +2,8 @@
 
 Rows are the phonemes the decoder produced, columns the graphemes it attended to: the alignment
 picture of the paper's readers. With `--out`, a PNG (matplotlib, the `plot` extra, which `make serve`
-installs); without it, the same matrix as a table in the terminal, which needs nothing more.
+installs); without it, the same matrix as a table in the terminal, which needs nothing more. The word
+is asked with `lexicon` false: the model decodes it, whether or not its lexicon knows it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main(
         return 2
     try:
         with make_client(args) as client:
-            out = g2p_outputs(client.infer(g2p_request([args.word], args.model, attention=True)))
+            out = g2p_outputs(client.infer(g2p_request([args.word], args.model, attention=True, lexicon=False)))
     except grpc.RpcError as e:
         print(f"qkv attention: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

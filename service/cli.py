@@ -122,6 +122,9 @@ def _infer(argv: list[str]) -> int:
     parser.add_argument("--model", default="g2p")
     parser.add_argument("--model-version", default="", help="a version of the model (default: the newest served)")
     parser.add_argument("--beam-size", type=int, default=1)
+    parser.add_argument(
+        "--no-lexicon", action="store_true", help="every word decoded by the model, none answered by its lexicon"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--traceparent", help="W3C trace context to continue (default: a new trace)")
     _client_arguments(parser)
@@ -131,7 +134,13 @@ def _infer(argv: list[str]) -> int:
     print(f"trace {trace_id(traceparent)}", file=sys.stderr)
     try:
         with _client(args) as client:
-            request = g2p_request(args.words, args.model, beam_size=args.beam_size, version=args.model_version)
+            request = g2p_request(
+                args.words,
+                args.model,
+                beam_size=args.beam_size,
+                version=args.model_version,
+                lexicon=not args.no_lexicon,
+            )
             response = client.infer(request, traceparent=traceparent)
             out = g2p_outputs(response)
     except grpc.RpcError as e:

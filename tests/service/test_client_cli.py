@@ -37,7 +37,7 @@ def test_sync_and_async_clients_agree(server: RunningServer) -> None:
 
 def test_deadline_is_enforced(server: RunningServer) -> None:
     with Client(server.url) as c, pytest.raises(grpc.RpcError) as e:
-        c.g2p(["supercalifragilistic"] * 60, timeout=0.001)
+        c.g2p(["supercalifragilistic"] * 60, timeout=0.001, lexicon=False)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

@@ -35,7 +35,7 @@ def test_served_predictions_equal_offline_evaluation(server: RunningServer, vers
     client = Client(server.url, timeout=60)  # retries a refusal after the server's pushback hint
 
     def call(chunk: list[str]) -> list[str]:
-        return client.g2p(chunk, version=version)
+        return client.g2p(chunk, version=version, lexicon=False)  # the model alone, as offline
 
     # Requests of 1 to 16 words, 8 in flight: they share continuous batches on the server.
     rng = random.Random(1)
@@ -71,7 +71,9 @@ def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_pat
     s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
     try:
         client = Client(s.url, timeout=60)
-        served = [p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10], version="1")]
+        served = [
+            p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10], version="1", lexicon=False)
+        ]
     finally:
         stop_server(s)
     assert served == int8
