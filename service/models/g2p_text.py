@@ -401,11 +401,15 @@ _MIN_PART, _MAX_PARTS, _MAX_COMPOUND = 4, 2, 128
 def _known_parts(words: list[str], max_letters: int, known: Known) -> list[str]:
     """en-2 with a lexicon: a word it lacks, hyphenated, over-long or a compound, as the known words it is
     made of; otherwise as it is (cut into pieces of `max_letters` when longer)."""
-    whole = [w for w in words if not w.isascii() or "-" not in w.strip("-")]
-    found = dict(zip(whole, known(whole), strict=True))
+
+    def splittable(w: str) -> bool:  # the others stay as they are, known or not: no need to ask
+        return "-" in w.strip("-") or len(w) > max_letters or (w.isalpha() and w.isascii() and len(w) >= 2 * _MIN_PART)
+
+    asked = [w for w in words if splittable(w)]
+    found = dict(zip(asked, known(asked), strict=True)) if asked else {}
     out: list[str] = []
     for w in words:
-        if found.get(w):
+        if found.get(w, True):  # known, or too short to split
             out.append(w)
         elif "-" in w.strip("-"):  # a hyphenated word the lexicon lacks: its parts, each looked up
             out += _known_parts(_hyphen_parts(w), max_letters, known)

@@ -868,20 +868,19 @@ class G2PModel:
             elements = self._words(raw, rules, known)
         flat = [w for ws in elements for w in ws]
         dropped = [rules != "en-1" and is_symbol(w) for w in flat]  # emoji and other signs: not read (en-2)
-        reasons = [
-            _DROPPED.format(quote(w, 40)) if d else self._unspellable(w) for w, d in zip(flat, dropped, strict=True)
-        ]
-        spelled = [i for i, why in enumerate(reasons) if not why]  # the words answered, by index in `flat`
         sources = [SOURCE_RULE if d else "" for d in dropped]
         answers: list[list[str]] = [[] for _ in flat]  # each word's pronunciations, its answer first
-        if use_lexicon and self.lexicon is not None and spelled:  # looked up before anything is batched
-            found = self.lexicon.find([flat[i] for i in spelled])
-            listed = [(i, at) for i, at in zip(spelled, found, strict=True) if at >= 0]
-            for (i, _), first in zip(listed, self.lexicon.first([at for _, at in listed]), strict=True):
-                answers[i], sources[i] = [first], SOURCE_LEXICON
-            if "VARIANTS" in outputs:
-                for i, at in listed:
-                    answers[i] = self.lexicon.pronunciations(at)
+        if use_lexicon and self.lexicon is not None:  # looked up before anything is batched
+            asked = [i for i, d in enumerate(dropped) if not d]
+            for i, (at, first) in zip(asked, self.lexicon.answers([flat[i] for i in asked]), strict=True):
+                if at >= 0:
+                    sources[i] = SOURCE_LEXICON
+                    answers[i] = self.lexicon.pronunciations(at) if "VARIANTS" in outputs else [first]
+        reasons = [
+            _DROPPED.format(quote(w, 40)) if d else "" if s else self._unspellable(w)
+            for w, d, s in zip(flat, dropped, sources, strict=True)
+        ]
+        spelled = [i for i, why in enumerate(reasons) if not why]  # the words answered, by index in `flat`
         modelled = [i for i in spelled if sources[i] != SOURCE_LEXICON]  # the words decoded, by index
         modelled_words = [flat[i] for i in modelled]
         with_attention = "ATTENTION" in outputs

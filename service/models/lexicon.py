@@ -28,6 +28,7 @@ __all__ = ["LEXICON_FILE", "Lexicon"]
 
 LEXICON_FILE = "lexicon.txt.gz"
 _MASK = 0xFFFFFFFF
+HOT = 2048  # words kept with their answers (Lexicon.answers), some 0.4 MB at most
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -114,6 +115,7 @@ class Lexicon:
         lines = _ranges(first_line[order], variants[order])  # each word's lines, in the words' new order
         self._phones = ids.astype(np.uint8)[_ranges(first_token[lines], per_line[lines])].tobytes()
         self._pron_ends = np.concatenate([[0], np.cumsum(per_line[lines])]).astype(np.int32)
+        self._hot: dict[str, tuple[int, str]] = {}  # the words asked most recently (answers)
 
     @classmethod
     def load(cls, path: Path) -> Lexicon:
@@ -176,7 +178,25 @@ class Lexicon:
         return isinstance(word, str) and self.find([word])[0] >= 0
 
     def known(self, words: Sequence[str]) -> list[bool]:
-        return [i >= 0 for i in self.find(words)]
+        return [i >= 0 for i, _ in self.answers(words)]
+
+    def answers(self, words: Sequence[str]) -> list[tuple[int, str]]:
+        """Each word's (index, answer), (-1, "") for a word the lexicon lacks. The words asked most recently
+        are kept with theirs (at most HOT of them): ordinary text asks for a few hundred words most of the
+        time, and a kept one costs a dict lookup, not a search and its phonemes joined."""
+        hot = self._hot
+        out = [hot.get(w) for w in words]
+        missing = list(dict.fromkeys(w for w, x in zip(words, out, strict=True) if x is None))
+        if not missing:
+            return out  # type: ignore[return-value]
+        found = self.find(missing)
+        listed = [i for i in found if i >= 0]
+        firsts = iter(self.first(listed))
+        if len(hot) + len(missing) > HOT:
+            self._hot = hot = {}  # replaced whole (a reader on another thread keeps the old one)
+        for w, i in zip(missing, found, strict=True):
+            hot[w] = (i, next(firsts)) if i >= 0 else (-1, "")
+        return [x if x is not None else hot[w] for w, x in zip(words, out, strict=True)]
 
     def pronunciations(self, index: int) -> list[str]:
         """The pronunciations of the word at `index` (from `find`), in the lexicon's order."""

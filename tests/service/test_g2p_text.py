@@ -191,7 +191,8 @@ def test_clients_that_ask_for_nothing_new_get_the_old_outputs(server: RunningSer
 def test_only_unspellable_words_are_answered_without_decoding(server: RunningServer) -> None:
     client = g.InferenceServerClient(server.url)
     wanted = [g.InferRequestedOutput(n) for n in ("PHONEMES", "REASONS", "ATTENTION")]
-    result = client.infer("g2p", [_text(["中文 🍕", "ok"], g.InferInput)], outputs=wanted, parameters=EN_1)
+    decoded = {**EN_1, "lexicon": False}  # "ok" decoded, not looked up: its attention
+    result = client.infer("g2p", [_text(["中文 🍕", "ok"], g.InferInput)], outputs=wanted, parameters=decoded)
     assert _decoded(result, "PHONEMES")[0] == " | "
     assert all("cannot spell character" in r for r in _decoded(result, "REASONS")[:2])
     attention = result.as_numpy("ATTENTION")
