@@ -288,7 +288,7 @@ EN_2 = [
      "ftp files.example.net eight thousand eighty"),
     ("e.g. node.js, 3.14 and c.o.d.", "for example node.js three point one four and c.o.d.",
      "for example node.js three point one four and c.o.d."),
-    ("So is state-of-the-art", "so is state of the art", "so is state-of-the-art"),
+    ("state-of-the-art deep-learning", "state-of-the-art deep learning", "state-of-the-art deep-learning"),
     ("antidisestablishmentarianismwhatever", "antidisestablishmentarianism whatever",
      "antidisestablishme ntarianismwhatever"),
     ("Meet at 3:30 pm on 3/4", "meet at three thirty p.m. on three quarters",

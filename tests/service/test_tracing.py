@@ -104,7 +104,7 @@ def test_a_g2p_request_continues_the_callers_trace_with_its_time_split_into_span
     traceparent = new_traceparent()
     _, trace_id, caller, _ = traceparent.split("-")
     with Client(traced.url) as c:
-        assert c.g2p(["attention", "transformer"], traceparent=traceparent) == [
+        assert c.g2p(["attention", "transformer"], traceparent=traceparent, lexicon=False) == [  # decoded
             "AH0 T EH1 N SH AH0 N",
             "T R AE0 N S F AO1 R M ER0",
         ]
@@ -140,7 +140,8 @@ def test_a_g2p_request_continues_the_callers_trace_with_its_time_split_into_span
 def test_a_beam_request_rides_in_a_beam_search_batch(traced: RunningServer, collector: Collector) -> None:
     traceparent = new_traceparent()
     with grpc.insecure_channel(traced.url) as ch:
-        protocol.Stub(ch).ModelInfer(g2p_request(["attention"], beam_size=4), metadata=[("traceparent", traceparent)])
+        request = g2p_request(["attention"], beam_size=4, lexicon=False)  # decoded, not looked up
+        protocol.Stub(ch).ModelInfer(request, metadata=[("traceparent", traceparent)])
     _, kids = trace_parts(collector, traceparent, 3)
     assert attrs(kids["qkv.decode"])["qkv.decode.beam_width"] == 4
     batch = attrs(batch_of(collector, kids["qkv.decode"]))
@@ -235,7 +236,7 @@ def test_otlp_over_http_and_sampling_ratio_zero_sends_nothing(tmp_path: Path, co
     try:
         s = start_server(["--tracing"], tmp_path / "http.log", env)  # the SDK's default sampler: every request
         with Client(s.url) as c:
-            c.g2p(["attention"])
+            c.g2p(["attention"], lexicon=False)  # decoded: a qkv.batch span
         stop_server(s)  # the drain exports what is buffered
         paths = {path for path, _ in _HttpReceiver.got}
         names = {sp.name for _, r in _HttpReceiver.got for rs in r.resource_spans for ss in rs.scope_spans
