@@ -178,7 +178,9 @@ class Lexicon:
         return isinstance(word, str) and self.find([word])[0] >= 0
 
     def known(self, words: Sequence[str]) -> list[bool]:
-        return [i >= 0 for i, _ in self.answers(words)]
+        """Whether it holds each word (what the text rules ask, parts of words among them: not kept as
+        `answers` keeps the words it is asked for)."""
+        return [i >= 0 for i in self.find(words)]
 
     def answers(self, words: Sequence[str]) -> list[tuple[int, str]]:
         """Each word's (index, answer), (-1, "") for a word the lexicon lacks. The words asked most recently

@@ -121,6 +121,12 @@ def test_unknown_words_go_to_the_model_and_say_so(server: RunningServer, cmu: di
     assert said["REASONS"][:2] == ["", ""] and "cannot spell" in said["REASONS"][2]
 
 
+def test_the_model_config_says_which_lexicon_answers(server: RunningServer) -> None:
+    parameters = g.InferenceServerClient(server.url).get_model_config("g2p").config.parameters
+    assert parameters["lexicon"].string_value == "126052 words, 135166 pronunciations"
+    assert parameters["text_normalization"].string_value == "en-2"
+
+
 def test_lexicon_words_never_reach_the_decoder(server: RunningServer) -> None:
     stub = g.InferenceServerClient(server.url)
 

@@ -206,7 +206,8 @@ def test_latency_histogram_carries_trace_ids_as_exemplars(traced: RunningServer,
 
 
 def test_qkv_infer_sends_a_new_trace_and_prints_its_id(traced: RunningServer, collector: Collector) -> None:
-    out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", traced.url, "attention"],
+    decoded = ["--no-lexicon", "attention"]  # the model decodes it: its spans
+    out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", traced.url, *decoded],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
     assert out.returncode == 0 and out.stdout == "attention\tAH0 T EH1 N SH AH0 N\n", out.stderr
     trace_id = out.stderr.strip().removeprefix("trace ")
@@ -356,7 +357,8 @@ def test_the_spans_of_one_qkv_infer_request_are_printed_without_a_collector(wher
     s = start_server(args, tmp_path / "server.log")  # no OTEL_* variable: the export is local
     read = s.output if where == "console" else lambda: file.read_text() if file.exists() else ""
     try:
-        out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", s.url, "attention"],
+        decoded = ["--no-lexicon", "attention"]  # the model decodes it: its spans
+        out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", s.url, *decoded],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
         assert out.returncode == 0 and out.stdout == "attention\tAH0 T EH1 N SH AH0 N\n", out.stderr
         trace_id = out.stderr.strip().removeprefix("trace ")
