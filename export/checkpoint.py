@@ -14,7 +14,15 @@ from service.cli import UsageError, readable_file
 from service.seq2seq.graphs import step_arrays
 from service.seq2seq.vocab import Vocabulary
 
-__all__ = ["Loaded", "TorchStepModel", "load_checkpoint", "read_checkpoint"]
+__all__ = [
+    "Loaded",
+    "TorchStepModel",
+    "checkpoint_name",
+    "load_checkpoint",
+    "named_recipe",
+    "read_checkpoint",
+    "run_name",
+]
 
 SAVED = ("config", "model", "graphemes", "phonemes")  # what every checkpoint of `qkv train` holds
 
@@ -84,3 +92,27 @@ class TorchStepModel:
     def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in step_arrays(*arrays)))
         return tuple(o.numpy() for o in outs)
+
+
+def run_name(path: str) -> str:
+    """A training run by its name (its folder's), not by where the machine that ran it wrote it."""
+    return Path(path).name if path else path
+
+
+def checkpoint_name(path: str) -> str:
+    """A checkpoint by its run's name and its file's (g2p-v2-cpu/last.pt), not by its path."""
+    p = Path(path)
+    return f"{p.parent.name}/{p.name}" if path and p.parent.name else p.name if path else path
+
+
+def named_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A run's recipe (`qkv train`'s settings) as a model card records it: its output folder, the
+    checkpoint it started from and its teachers by name."""
+    named = dict(recipe)
+    if "out" in named:
+        named["out"] = run_name(named["out"])
+    if named.get("init"):
+        named["init"] = checkpoint_name(named["init"])
+    if named.get("teachers"):
+        named["teachers"] = ",".join(checkpoint_name(t) for t in named["teachers"].split(","))
+    return named

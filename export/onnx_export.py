@@ -2,7 +2,8 @@
 
 Writes two entries (docs/design.md, "Model repository"):
     models/g2p/          encoder.onnx (+ cross-attention keys/values), decoder.onnx (one cached step),
-                         graphemes.json, phonemes.json under 1/, and config.json with the model card
+                         graphemes.json, phonemes.json, lexicon.txt.gz (CMUdict: export/lexicon.py) under
+                         1/, and config.json with the model card
                          (`--int8`: the graphs' int8 copies beside them, export/quantize.py)
     models/g2p_encoder/  the same encoder as a plain tensor model: input_ids, attention_mask -> last_hidden_state
 The graphs store their weights as fp16 and compute in fp32 (export/storage.py). The export refuses to write
@@ -29,12 +30,14 @@ import torch
 from torch import Tensor, nn
 
 from export import data
-from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint
+from export.checkpoint import Loaded, TorchStepModel, average_checkpoints, load_checkpoint, named_recipe, run_name
+from export.lexicon import build_lines, card_entry, write_lexicon
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
 from service.cli import UsageError, in_range, readable_file
 from service.models.g2p_text import RULES as TEXT_RULES
+from service.models.lexicon import LEXICON_FILE
 from service.repository.layout import available_versions, model_cards
 from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq.graphs import (
@@ -240,6 +243,8 @@ def write_repository(
             (d / version).mkdir(parents=True)
         for name in (ENCODER_FILE, DECODER_FILE, GRAPHEMES_FILE, PHONEMES_FILE):
             shutil.copy(staging / name, g2p / version / name)
+        lexicon_lines = build_lines()  # the pronouncing lexicon the version answers known words from
+        lexicon = card_entry(lexicon_lines, write_lexicon(g2p / version / LEXICON_FILE, lexicon_lines))
         if encoder_model:
             shutil.copy(paths["plain"], enc / version / "model.onnx")
     state = loaded.state
@@ -256,10 +261,11 @@ def write_repository(
             "steps": state["step"],
             "hardware": state.get("hardware"),
             "best_dev_wer": state["best_dev_wer"],
-            "recipe": state["train"],
+            "recipe": named_recipe(state["train"]),  # runs by name: not the paths they were written to
             **_earlier_runs(state),
         },
         "test": metrics or {},
+        "lexicon": lexicon,
         "onnx_opset": OPSET,
         "parity": parity,
         "weights": weights,
@@ -310,7 +316,9 @@ def write_repository(
 
 def _earlier_runs(state: dict[str, Any]) -> dict[str, Any]:
     """For weights that continued other runs (`qkv train --init`): those runs, and the hours of all of them."""
-    lineage = state.get("lineage") or []
+    lineage = [
+        run | {"run": run_name(run["run"]), "recipe": named_recipe(run["recipe"])} for run in state.get("lineage") or []
+    ]
     if not lineage:
         return {}
     total = state["elapsed_s"] / 3600 + sum(run["hours"] for run in lineage)
@@ -350,7 +358,20 @@ def main(argv: list[str] | None = None) -> int:
         help="write this version beside the versions already in the repository, all of them served "
         "(default: replace the models with version 1)",
     )
+    parser.add_argument(
+        "--lexicon-only",
+        action="store_true",
+        help="write the pronouncing lexicon into every version of models/g2p and their cards, nothing else",
+    )
     args = parser.parse_args(argv)
+    if args.lexicon_only:
+        from export.lexicon import main as lexicon_main
+
+        g2p = args.model_repository / "g2p"
+        versions = [g2p / str(v) for v in available_versions(g2p)] if g2p.is_dir() else []
+        if not versions:
+            raise UsageError(f"no version of g2p in {args.model_repository} to write the lexicon into")
+        return lexicon_main([str(v) for v in versions])
     # Everything the flags say is checked before the checkpoints load (seconds) and the export runs (minutes).
     test_words = data.read_split("test")
     in_range("--parity-words", args.parity_words, 1, len(test_words))

@@ -5,7 +5,8 @@ of the paper's readers. TEXT is read as `qkv infer` reads it (numbers, symbols a
 long words cut into pieces), and each word it reads gets its own map; a word the model cannot spell
 (an emoji, Chinese) gets its reason instead. With `--out`, one PNG with a panel per word (matplotlib, the
 `plot` extra, which `make serve` installs); without it, the same maps as tables in the terminal, which
-need nothing more.
+need nothing more. The words are asked with `lexicon` false: the model decodes each, whether or not its
+lexicon knows it.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(
     if args.out is not None and importlib.util.find_spec("matplotlib") is None:
         print(f"qkv attention: {NEEDS_MATPLOTLIB}", file=sys.stderr)
         return 2
-    request = g2p_request([args.text], args.model, attention=True)
+    request = g2p_request([args.text], args.model, attention=True, lexicon=False)
     request.outputs.add(name="WORDS")
     request.outputs.add(name="REASONS")
     try:

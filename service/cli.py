@@ -138,6 +138,9 @@ def _infer(argv: list[str]) -> int:
                         help="an input's shape; default: its value's")  # fmt: skip
     parser.add_argument("--output", action="append", default=[], metavar="NAME", help="outputs to ask for (all)")
     parser.add_argument("--beam-size", type=int, default=1)
+    parser.add_argument(
+        "--no-lexicon", action="store_true", help="every word decoded by the model, none answered by its lexicon"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--traceparent", help="W3C trace context to continue (default: a new trace)")
     _client_arguments(parser)
@@ -159,7 +162,13 @@ def _infer_words(args: argparse.Namespace) -> int:
     print(f"trace {trace_id(traceparent)}", file=sys.stderr)
     try:
         with _client(args) as client:
-            request = g2p_request(args.words, args.model, beam_size=args.beam_size, version=args.model_version)
+            request = g2p_request(
+                args.words,
+                args.model,
+                beam_size=args.beam_size,
+                version=args.model_version,
+                lexicon=not args.no_lexicon,
+            )
             response = client.infer(request, traceparent=traceparent)
             out = g2p_outputs(response)
     except grpc.RpcError as e:

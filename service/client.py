@@ -78,9 +78,15 @@ def _pause(error: grpc.RpcError, attempt: int, wait_for_server: bool = True) -> 
 
 
 def g2p_request(
-    texts: Sequence[str], model: str = "g2p", attention: bool = False, beam_size: int = 1, version: str = ""
+    texts: Sequence[str],
+    model: str = "g2p",
+    attention: bool = False,
+    beam_size: int = 1,
+    version: str = "",
+    lexicon: bool = True,
 ) -> Any:
-    """A ModelInferRequest for the g2p model, TEXT as raw BYTES; `version` "" is the newest served."""
+    """A ModelInferRequest for the g2p model, TEXT as raw BYTES; `version` "" is the newest served;
+    `lexicon` False: every word answered by the model, none from the version's pronouncing lexicon."""
     req = protocol.ModelInferRequest(model_name=model, model_version=version)
     req.inputs.add(name="TEXT", datatype="BYTES", shape=[len(texts)])
     req.raw_input_contents.append(encode_bytes(np.array([t.encode() for t in texts], dtype=object)))
@@ -89,6 +95,8 @@ def g2p_request(
         req.outputs.add(name="ATTENTION")
     if beam_size != 1:
         req.parameters["beam_size"].int64_param = beam_size
+    if not lexicon:
+        req.parameters["lexicon"].bool_param = False
     return req
 
 
@@ -199,8 +207,9 @@ class Client:
         timeout: float | None = None,
         traceparent: str | None = None,
         version: str = "",
+        lexicon: bool = True,
     ) -> list[str]:
-        request = g2p_request(texts, model, version=version)
+        request = g2p_request(texts, model, version=version, lexicon=lexicon)
         return g2p_outputs(self.infer(request, timeout, traceparent))["PHONEMES"]  # type: ignore[no-any-return]
 
     def ready(self) -> bool:
@@ -263,8 +272,9 @@ class AsyncClient:
         timeout: float | None = None,
         traceparent: str | None = None,
         version: str = "",
+        lexicon: bool = True,
     ) -> list[str]:
-        response = await self.infer(g2p_request(texts, model, version=version), timeout, traceparent)
+        response = await self.infer(g2p_request(texts, model, version=version, lexicon=lexicon), timeout, traceparent)
         return g2p_outputs(response)["PHONEMES"]  # type: ignore[no-any-return]
 
     async def close(self) -> None:

@@ -105,12 +105,12 @@ class IncrementalG2P:
 
 
 def one_shot(client: grpcclient.InferenceServerClient, word: str, model: str = "g2p") -> tuple[list[str], str]:
-    """g2p's answer to `word` in one request: the words its text rules read it as, and the phonemes
-    ("W ER1 L D", words joined by " | ")."""
+    """g2p's answer to `word` in one request, decoded by the model (`lexicon: false`, as the incremental
+    decoder is): the words its text rules read it as, and the phonemes ("W ER1 L D", words joined by " | ")."""
     text = grpcclient.InferInput("TEXT", [1], "BYTES")
     text.set_data_from_numpy(np.array([word.encode()], dtype=np.object_))
     wanted = [grpcclient.InferRequestedOutput(n) for n in ("PHONEMES", "WORDS")]
-    result = client.infer(model, [text], outputs=wanted)
+    result = client.infer(model, [text], outputs=wanted, parameters={"lexicon": False})
     words, phonemes = result.as_numpy("WORDS"), result.as_numpy("PHONEMES")
     assert words is not None and phonemes is not None
     return [w.decode() for w in words.reshape(-1)], phonemes.reshape(-1)[0].decode()

@@ -60,7 +60,8 @@ def encoder_request(length: int, vocab: int, rng: np.random.Generator, model: st
 
 
 def g2p_word_request(word: str, model: str = "g2p") -> Any:
-    return g2p_request([word], model)
+    """One word, decoded by the model (not answered by its lexicon): load on the decoder."""
+    return g2p_request([word], model, lexicon=False)
 
 
 def own_cpu() -> float:

@@ -56,7 +56,7 @@ def test_command_line_examples_work_against_a_server(server: RunningServer, tmp_
             done = shell(argv, tmp_path)
             assert done.returncode == 0, (one, done.stderr)
             if one.endswith("qkv infer --model g2p hello world"):
-                assert done.stdout.splitlines() == ["hello\tHH EH1 L OW0", "world\tW ER1 L D"]
+                assert done.stdout.splitlines() == ["hello\tHH AH0 L OW1", "world\tW ER1 L D"]
             if "--out attention.png" in one:
                 assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -6,6 +6,7 @@
     qkv bench --protocols --seconds 4         # HTTP/REST against gRPC on one server
     qkv bench --peers                         # beside Triton, MLServer, plain grpc.aio (makes their venvs)
     qkv bench --text                          # g2p on English text, its response cache on and off
+    qkv bench --lexicon                       # g2p: 64 words from the lexicon against the same 64 cached
     qkv bench --sequences                     # a stateful model: 64 sequences at once vs one at a time
 
 Against a running server (--url, default $QKV_URL or 127.0.0.1:8001, and --model): any model it serves,
@@ -76,6 +77,9 @@ def main(argv: list[str]) -> int:
                         help="--peers: run PEER with this interpreter, not an environment made for it")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="--peers: seq 16 only, 1 s a cell: a smoke test")
     parser.add_argument("--text", action="store_true", help="g2p on English text (fortunes): response cache on/off")
+    parser.add_argument(
+        "--lexicon", action="store_true", help="g2p: a request of 64 lexicon words against the same words all cached"
+    )
     parser.add_argument("--text-file", type=Path, metavar="PATH", help="--text on this file (or directory) instead")
     parser.add_argument("--sequences", action="store_true", help="stateful steps: 64 sequences at once vs one")
     parser.add_argument("--model-repository", type=Path, help="default: models (a --url run needs none)")
@@ -121,6 +125,12 @@ def main(argv: list[str]) -> int:
 
         print(protocols_table(protocols(args.model_repository, args.out, args.seconds)))
         print(f"wrote {args.out / 'protocols.json'}")
+        return 0
+    if args.lexicon:
+        from service.bench.text import lexicon_bench, lexicon_table
+
+        print(lexicon_table(lexicon_bench(args.model_repository, args.out)))
+        print(f"wrote {args.out / 'lexicon.json'}, {args.out / 'lexicon.md'}")
         return 0
     if args.text or args.text_file:
         from service.bench.text import text_bench, text_table

@@ -61,7 +61,7 @@ def encoder_maker(lengths: Callable[[random.Random], int], vocab: int, seed: int
 def words_maker(words: list[str], per_request: int, version: str = "") -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         chunk = [words[(i * per_request + k) % len(words)] for k in range(per_request)]
-        return g2p_request(chunk, version=version), max(map(len, chunk)), ""
+        return g2p_request(chunk, version=version, lexicon=False), max(map(len, chunk)), ""  # decoded, each word
 
     return make
 
@@ -75,7 +75,7 @@ def word_maker(
 ) -> loadgen.MakeRequest:
     def make(i: int) -> tuple[Any, int, str]:
         w = words[i % len(words)]
-        return g2p_request([w], model, beam_size=beam_size, version=version), len(w), tag(w)
+        return g2p_request([w], model, beam_size=beam_size, version=version, lexicon=False), len(w), tag(w)
 
     return make
 

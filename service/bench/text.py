@@ -11,7 +11,12 @@ reads the corpus from its own place onwards (the cache server starts cold and wa
 Before that, every sentence the model may not be able to spell as written is sent once to the
 cache-off server (one decoding step a word): refused, it is sent again without the words the model
 cannot spell, and refused again, counted and left out. Last, on the cache server, one connection
-alternates sentences whose every word is kept with ModelReady, the bare gRPC round trip.
+alternates sentences whose every word is kept with ModelReady, the bare gRPC round trip. Every request
+asks `lexicon: false`: what is measured is the decoder and its response cache, as before g2p had a
+pronouncing lexicon (which would answer most of the corpus's words without either).
+
+`qkv bench --lexicon`: on one server, a request of 64 words the lexicon holds against the same words
+all kept by the response cache (`lexicon: false`), taken in turns on one connection.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,17 @@ from service.models.kinds import normalize_word
 from service.process import ServerProcess
 from service.repository.layout import available_versions
 
-__all__ = ["FORTUNES", "corpus_files", "frequency_curve", "read_sentences", "text_bench", "text_table"]
+__all__ = [
+    "FORTUNES",
+    "LEXICON_WORDS",
+    "corpus_files",
+    "frequency_curve",
+    "lexicon_bench",
+    "lexicon_table",
+    "read_sentences",
+    "text_bench",
+    "text_table",
+]
 
 FORTUNES = Path("/usr/share/games/fortunes")
 CONCURRENCY = (1, 16, 64)
@@ -209,7 +225,7 @@ class Reader:
             k = (start + i) % len(texts)
             self.sent.append(k)
             if k not in built:
-                built[k] = g2p_request([texts[k]])
+                built[k] = g2p_request([texts[k]], lexicon=False)
             return built[k], len(words[k]), ""  # seq_len: the request's words
 
         return make
@@ -218,7 +234,7 @@ class Reader:
 def _one_step_maker(texts: list[str]) -> loadgen.MakeRequest:
     """Requests decoding one step a word: the scheduler and sessions warm, no answer the bench asks for kept
     (max_output_length is part of a kept word's key)."""
-    requests = [g2p_request([t]) for t in texts]
+    requests = [g2p_request([t], lexicon=False) for t in texts]
     for request in requests:
         request.parameters["max_output_length"].int64_param = 1
     return lambda i: (requests[i % len(requests)], 1, "")
@@ -288,10 +304,15 @@ def text_bench(
     finally:
         servers.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    return _record(results, out, "text", text_table)
+
+
+def _record(results: dict[str, Any], out: Path, name: str, table: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """`results`, with the load average now, written as out/NAME.json and their table as out/NAME.md."""
     results["load_average_after"] = os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "text.json").write_text(json.dumps(results, indent=2, default=float))
-    (out / "text.md").write_text(text_table(results) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2, default=float))
+    (out / f"{name}.md").write_text(table(results) + "\n")
     return results
 
 
@@ -354,39 +375,54 @@ def _cell(
     return cells
 
 
+async def _alternating(
+    url: str, calls: tuple[Callable[[Any, int], Awaitable[Any]], ...], pairs: int
+) -> tuple[list[list[float]], int]:
+    """On one connection, one at a time, each of `calls` in turn, `pairs` + 20 rounds (the first 20 warm
+    the connection, untimed): each call's times, and how many calls failed."""
+    times: list[list[float]] = [[] for _ in calls]
+    failed = 0
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = protocol.Stub(channel)
+        for i in range(pairs + 20):
+            for call, kept in zip(calls, times, strict=True):
+                t0 = time.perf_counter()
+                try:
+                    await call(stub, i)
+                except grpc.aio.AioRpcError:
+                    failed += 1
+                if i >= 20:
+                    kept.append(time.perf_counter() - t0)
+    return times, failed
+
+
+def _kept_then_alternating(
+    url: str, warm: list[Any] | tuple[Any, ...], calls: tuple[Callable[[Any, int], Awaitable[Any]], ...], pairs: int
+) -> tuple[list[list[float]], int, tuple[int, int]]:
+    """The `warm` requests sent once (their words kept by the cache), then `_alternating`: its times and
+    failures, and the cache's hits and misses meanwhile."""
+    with grpc.insecure_channel(url) as channel:
+        for request in warm:
+            with contextlib.suppress(grpc.RpcError):  # a refused text stays refused: counted as failed after
+                protocol.Stub(channel).ModelInfer(request, timeout=60)
+    h0, m0 = _cache_counts(url)
+    times, failed = asyncio.run(_alternating(url, calls, pairs))
+    h1, m1 = _cache_counts(url)
+    return times, failed, (h1 - h0, m1 - m0)
+
+
 def all_kept_round_trips(url: str, texts: list[str], pairs: int) -> dict[str, Any]:
     """On one connection, one at a time, a sentence whose every word the cache keeps, then ModelReady
     (the bare gRPC round trip): `pairs` times each, alternating. The misses counted meanwhile should be 0."""
 
-    async def run() -> tuple[list[float], list[float], int]:
-        kept: list[float] = []
-        bare: list[float] = []
-        failed = 0
-        async with grpc.aio.insecure_channel(url) as channel:
-            stub = protocol.Stub(channel)
-            ready = protocol.ModelReadyRequest(name="g2p")
-            requests = [g2p_request([t]) for t in texts]
-            for i in range(pairs + 20):  # the first 20 warm the connection
-                t0 = time.perf_counter()
-                try:
-                    await stub.ModelInfer(requests[i % len(requests)], timeout=30)
-                except grpc.aio.AioRpcError:
-                    failed += 1
-                t1 = time.perf_counter()
-                await stub.ModelReady(ready, timeout=30)
-                t2 = time.perf_counter()
-                if i >= 20:
-                    kept.append(t1 - t0)
-                    bare.append(t2 - t1)
-        return kept, bare, failed
+    requests = [g2p_request([t], lexicon=False) for t in texts]
+    ready = protocol.ModelReadyRequest(name="g2p")
+    calls = (
+        lambda stub, i: stub.ModelInfer(requests[i % len(requests)], timeout=30),
+        lambda stub, i: stub.ModelReady(ready, timeout=30),
+    )
 
-    with grpc.insecure_channel(url) as channel:  # every word kept before the timing
-        for t in texts:
-            with contextlib.suppress(grpc.RpcError):  # a refused text stays refused: counted as failed below
-                protocol.Stub(channel).ModelInfer(g2p_request([t]), timeout=60)
-    h0, m0 = _cache_counts(url)
-    kept, bare, failed = asyncio.run(run())
-    h1, m1 = _cache_counts(url)
+    (kept, bare), failed, (hits, misses) = _kept_then_alternating(url, requests, calls, pairs)
     p50_kept, p50_bare = float(np.median(kept)) * 1e3, float(np.median(bare)) * 1e3
     return {
         "pairs": pairs,
@@ -396,8 +432,8 @@ def all_kept_round_trips(url: str, texts: list[str], pairs: int) -> dict[str, An
         "p99_ms": float(np.percentile(kept, 99)) * 1e3,
         "bare_p50_ms": p50_bare,
         "over_bare_ms": p50_kept - p50_bare,
-        "hits": h1 - h0,
-        "misses": m1 - m0,
+        "hits": hits,
+        "misses": misses,
         "failed": failed,
     }
 
@@ -456,3 +492,76 @@ def text_table(r: dict[str, Any]) -> str:
         f"| {'met' if k['over_bare_ms'] <= 0.3 else 'NOT met'} |",
     ]
     return "\n".join(rows)
+
+
+# 64 distinct words of ordinary English, all in the shipped lexicon: one request of them (qkv bench --lexicon).
+LEXICON_WORDS = tuple(
+    " ".join([
+        "the of and to in is you that it he was for on are as with his they at be this have from or one had by",
+        "word but not what all were we when your can said there use an each which she do how their if will up",
+        "other about out many then them these so some her would make like him",
+    ]).split()
+)  # fmt: skip
+
+
+def lexicon_vs_cached(url: str, words: list[str], pairs: int) -> dict[str, Any]:
+    """On one connection, one at a time, a request of `words` answered from the lexicon, then the same
+    words with `lexicon: false`, every one of them kept by the response cache (sent once before): what a
+    request all of whose words the lexicon holds costs against one all of whose words were cached."""
+
+    asks = (g2p_request([" ".join(words)]), g2p_request([" ".join(words)], lexicon=False))
+    calls = (lambda stub, i: stub.ModelInfer(asks[0], timeout=30), lambda stub, i: stub.ModelInfer(asks[1], timeout=30))
+
+    (lexicon, cached), failed, (hits, misses) = _kept_then_alternating(url, asks[1:], calls, pairs)
+    p50_lexicon, p50_cached = float(np.median(lexicon)) * 1e3, float(np.median(cached)) * 1e3
+    return {
+        "pairs": pairs,
+        "words_per_request": len(words),
+        "lexicon_p50_ms": p50_lexicon,
+        "lexicon_p99_ms": float(np.percentile(lexicon, 99)) * 1e3,
+        "cached_p50_ms": p50_cached,
+        "cached_p99_ms": float(np.percentile(cached, 99)) * 1e3,
+        "ratio": p50_lexicon / p50_cached,
+        "hits": hits,
+        "misses": misses,
+        "failed": failed,
+    }
+
+
+def lexicon_bench(models: Path, out: Path, pairs: int = 1000) -> dict[str, Any]:
+    """`qkv bench --lexicon`: one g2p server (its newest version, response cache on), `lexicon_vs_cached`."""
+    results: dict[str, Any] = {"model": "g2p", "load_average_before": os.getloadavg()}
+    scratch = Path(tempfile.mkdtemp(prefix="qkv-lexicon-"))
+    servers = Servers(models, scratch)
+    try:
+        on = servers.start(
+            {"g2p": {"version_policy": {"latest": {"num_versions": 1}}, "response_cache": {"enable": True}}}
+        )
+        results["lexicon_vs_cached"] = lexicon_vs_cached(on.url, list(LEXICON_WORDS), pairs)
+    finally:
+        servers.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _record(results, out, "lexicon", lexicon_table)
+
+
+def lexicon_table(r: dict[str, Any]) -> str:
+    x = r["lexicon_vs_cached"]
+    load = " -> ".join(" ".join(f"{v:.2f}" for v in r[k]) for k in ("load_average_before", "load_average_after"))
+    return "\n".join(
+        [
+            f"g2p, one connection, {x['pairs']} pairs of requests of {x['words_per_request']} words taken in turns; "
+            f"load average (1, 5, 15 min) {load}",
+            "",
+            "| request of 64 words, c1 | p50 ms | p99 ms |",
+            "|---|---|---|",
+            f"| every word from the lexicon | {x['lexicon_p50_ms']:.2f} | {x['lexicon_p99_ms']:.2f} |",
+            f"| every word from the response cache (`lexicon: false`) | {x['cached_p50_ms']:.2f} | "
+            f"{x['cached_p99_ms']:.2f} |",
+            "",
+            "| what | target | measured | |",
+            "|---|---|---|---|",
+            f"| all-lexicon request p50 / all-cached request p50, same server | <= 1 | {x['ratio']:.2f} "
+            f"({x['lexicon_p50_ms']:.2f} vs {x['cached_p50_ms']:.2f} ms; cache misses {x['misses']}) "
+            f"| {'met' if x['ratio'] <= 1 else 'NOT met'} |",
+        ]
+    )

@@ -526,24 +526,29 @@ class RestServer:
             return _failed(outcome)
         phonemes = output_text(outcome, "PHONEMES")
         doc = self._generated(outcome, phonemes)
-        if outputs:  # each word as the model read it ("$5": five, dollars), its phonemes, and why it has none
-            read = [bytes(w).decode(errors="replace") for w in outcome.outputs["WORDS"]]
-            why = [bytes(r).decode(errors="replace") for r in outcome.outputs["REASONS"]]
-            said = phonemes.split(" | ") if read else []
+        if outputs:  # each word as the model read it ("$5": five, dollars), its phonemes, where they came
+            # from, and why it has none
+            read, why, source = (
+                [bytes(x).decode(errors="replace") for x in outcome.outputs[name]] for name in outputs[1:]
+            )
+            said = iter(phonemes.split(" | ") if read else [])
+            # A word the rules drop (source "rule": an emoji) has no place in text_output.
             doc["words"] = [
-                {"word": w, "phonemes": p} | ({"reason": r} if r else {})
-                for w, p, r in zip(read, said, why, strict=True)
+                {"word": w, "phonemes": "" if s == "rule" else next(said, "")}
+                | ({"source": s} if s else {})
+                | ({"reason": r} if r else {})
+                for w, r, s in zip(read, why, source, strict=True)
             ]
         return _json(doc)
 
     def _word_outputs(self, model: str, version: str) -> tuple[str, ...]:
-        """The outputs generate asks for: PHONEMES, WORDS and REASONS from a model that has them (g2p); none
-        (the model's default) otherwise, or when the model is not served (its request says why)."""
+        """The outputs generate asks for: PHONEMES, WORDS, REASONS and SOURCES from a model that has them
+        (g2p); none (the model's default) otherwise, or when the model is not served (its request says why)."""
         try:
             names = {s.name for s in self.plane.model(model, version).outputs}
         except ServingError:
             return ()
-        wanted = ("PHONEMES", "WORDS", "REASONS")
+        wanted = ("PHONEMES", "WORDS", "REASONS", "SOURCES")
         return wanted if set(wanted) <= names else ()
 
     @staticmethod

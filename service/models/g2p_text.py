@@ -7,19 +7,38 @@ cut into pieces it can. What the rules cannot turn into Latin letters (Chinese, 
 the model decides what it can spell and says why not (service/models/kinds.py).
 
 The rules are versioned (`RULES`): a change that alters any answer gets a new version, which the model
-card names, so an answer can be reproduced. docs/model.md, "Text normalisation", tabulates them.
+card names, so an answer can be reproduced; a server reads by every version it has (`VERSIONS`), so a
+model card or a request that pins an older one is answered as before. `en-2` adds to `en-1`: telephone
+numbers read digit by digit, web addresses and e-mail addresses read as spoken ("example dot com"), and,
+given the words a pronouncing lexicon knows (`known`), an unknown word that is a compound of known ones
+split into them (github: git hub), hyphenated and over-long words split at known parts before any
+fixed-length cut. docs/model.md, "Text normalisation", tabulates them.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 
-__all__ = ["RULES", "SILENT_ASCII", "SILENT_WIDE", "cardinal", "fold", "ordinal", "spoken_words", "year"]
+__all__ = [
+    "RULES",
+    "SILENT_ASCII",
+    "SILENT_WIDE",
+    "VERSIONS",
+    "Known",
+    "cardinal",
+    "fold",
+    "is_symbol",
+    "ordinal",
+    "spoken_words",
+    "year",
+]
 
-RULES = "en-1"
+RULES = "en-2"  # the newest: what a model card that names none is read by
+VERSIONS = ("en-1", "en-2")
+Known = Callable[[Sequence[str]], list[bool]]  # which of some words a lexicon knows
 
 # Letters NFKD leaves whole: their usual English spelling.
 _LETTERS = {"ß": "ss", "æ": "ae", "œ": "oe", "ø": "o", "ð": "d", "þ": "th", "đ": "d", "ł": "l", "ı": "i", "ħ": "h"}
@@ -357,13 +376,154 @@ def _strip(token: str) -> tuple[str, bool]:
     return token[start:end], period
 
 
-def spoken_words(text: str, max_letters: int = 32, max_words: int | None = None) -> list[str]:
-    """`text` as the words to spell, in order: read by the rules above, folded to Latin letters where
-    it can be, and no word longer than `max_letters`. Reading stops once there are more than
-    `max_words`: a text that reads as too many words costs no more than the limit's worth."""
+def spoken_words(
+    text: str, max_letters: int = 32, max_words: int | None = None, rules: str = RULES, known: Known | None = None
+) -> list[str]:
+    """`text` as the words to spell, in order: read by the rules of version `rules` (`en-1`, `en-2`),
+    folded to Latin letters where it can be, and no word longer than `max_letters`. Reading stops once
+    there are more than `max_words`: a text that reads as too many words costs no more than the limit's
+    worth. With `known` (en-2), words a lexicon lacks are split into words it knows where they can be."""
+    reader = _Reader(fold(text).split()) if rules == "en-1" else _Reader2(fold(text).split())
+    cut = rules == "en-1" or known is None  # long words cut here, or at known parts below
     out: list[str] = []
-    for word in _Reader(fold(text).split()).read():
-        out.extend(_split_long(word, max_letters) if len(word) > max_letters else (word,))
+    for word in reader.read():
+        out.extend(_split_long(word, max_letters) if cut and len(word) > max_letters else (word,))
         if max_words is not None and len(out) > max_words:
             break
+    return out if cut else _known_parts(out, max_letters, known)  # type: ignore[arg-type]
+
+
+# A compound of lexicon words: parts of at least this many letters, at most this many parts (more for a
+# word over max_letters, which must be cut anyway); words longer than _MAX_COMPOUND are cut, not searched.
+_MIN_PART, _MAX_PARTS, _MAX_COMPOUND = 4, 2, 128
+
+
+def _known_parts(words: list[str], max_letters: int, known: Known) -> list[str]:
+    """en-2 with a lexicon: a word it lacks, hyphenated, over-long or a compound, as the known words it is
+    made of; otherwise as it is (cut into pieces of `max_letters` when longer)."""
+
+    def splittable(w: str) -> bool:  # the others stay as they are, known or not: no need to ask
+        return "-" in w.strip("-") or len(w) > max_letters or (w.isalpha() and w.isascii() and len(w) >= 2 * _MIN_PART)
+
+    asked = [w for w in words if splittable(w)]
+    found = dict(zip(asked, known(asked), strict=True)) if asked else {}
+    out: list[str] = []
+    for w in words:
+        if found.get(w, True):  # known, or too short to split
+            out.append(w)
+        elif "-" in w.strip("-"):  # a hyphenated word the lexicon lacks: its parts, each looked up
+            out += _known_parts(_hyphen_parts(w), max_letters, known)
+        elif w.isalpha() and w.isascii() and 2 * _MIN_PART <= len(w) <= _MAX_COMPOUND:
+            parts = _compound(w, known, max_letters, _MAX_PARTS if len(w) <= max_letters else len(w))
+            out += parts or list(_split_long(w, max_letters))
+        else:
+            out += _split_long(w, max_letters)
     return out
+
+
+def _hyphen_parts(word: str) -> list[str]:
+    return [p for p in word.split("-") if p]
+
+
+def _compound(word: str, known: Known, max_letters: int, max_parts: int) -> list[str] | None:
+    """`word` as the fewest lexicon words (each `_MIN_PART` to `max_letters` letters, at most `max_parts`)
+    that spell it, or None. One lexicon call a position: each asks for every part that starts there."""
+    n = len(word)
+    best: list[tuple[int, int] | None] = [None] * (n + 1)  # position -> (parts so far, where the last began)
+    best[0] = (0, 0)
+    for i in range(n - _MIN_PART + 1):
+        here = best[i]
+        if here is None or here[0] >= max_parts:
+            continue
+        ends = range(i + _MIN_PART, min(n, i + max_letters) + 1)
+        for j, ok in zip(ends, known([word[i:j] for j in ends]), strict=True):
+            if ok and (best[j] is None or best[j][0] > here[0] + 1):  # type: ignore[index]
+                best[j] = (here[0] + 1, i)
+    if best[n] is None or best[n][0] < 2:  # type: ignore[index]
+        return None
+    parts, j = [], n
+    while j:
+        i = best[j][1]  # type: ignore[index]
+        parts.append(word[i:j])
+        j = i
+    return parts[::-1]
+
+
+def is_symbol(word: str) -> bool:
+    """Whether `word` is symbols alone (emoji, arrows, math signs, with their joiners and modifiers):
+    en-2 reads none of them, and drops them from the pronunciation."""
+    return bool(word) and all(
+        unicodedata.category(c)[0] == "S" or c in "\u200d\ufe0e\ufe0f\u20e3" or 0x1F3FB <= ord(c) <= 0x1F3FF
+        or 0xE0020 <= ord(c) <= 0xE007F  # tag characters (flags of regions)
+        for c in word
+    )  # fmt: skip
+
+
+# --- en-2: telephone numbers, web and e-mail addresses ----------------------------------------------------
+
+_PHONE = re.compile(r"(\+\d{1,3}-)?(\d{3}-)?\d{3}-\d{4}|(\+\d{1,3}\.)?\d{3}\.\d{3}\.\d{4}")
+_AREA = re.compile(r"\(\d{3}\)")
+_LOCAL = re.compile(r"\d{3}-\d{4}")
+_TLDS = frozenset({
+    "com", "org", "net", "edu", "gov", "mil", "int", "io", "co", "uk", "us", "de", "fr", "es", "it", "nl", "eu",
+    "ca", "au", "jp", "cn", "ru", "in", "br", "ch", "se", "no", "dk", "fi", "pl", "be", "at", "ie", "nz", "za",
+    "info", "biz", "me", "tv", "ai", "dev", "app", "xyz", "tech", "online", "site", "blog", "cloud",
+})  # fmt: skip
+_HOST = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)+"
+_URL = re.compile(r"(?:([a-z][a-z0-9+.-]*)://)?(" + _HOST + r")(?::(\d{1,5}))?((?:[/?#]\S*)?)", re.IGNORECASE)
+_EMAIL = re.compile(r"([a-z0-9][a-z0-9._%+-]*)@(" + _HOST + ")", re.IGNORECASE)
+_SPOKEN_SIGNS = {".": "dot", "@": "at", "/": "slash", "-": "dash", "_": "underscore", ":": "colon", "?": "question",
+                 "=": "equals", "&": "and", "#": "hash", "~": "tilde", "%": "percent", "+": "plus"}  # fmt: skip
+_ADDRESS_PIECES = re.compile(r"[a-z]+|\d+|[^a-z\d]", re.IGNORECASE)
+
+
+def _address(text: str) -> list[str]:
+    """A host, user or path read as spoken: its words (www, and letters alone, spelled), its numbers
+    digit by digit when they have a leading zero or more than four digits, its signs by name."""
+    words: list[str] = []
+    for piece in _ADDRESS_PIECES.findall(text):
+        low = piece.lower()
+        if low == "www":
+            words += ["w", "w", "w"]
+        elif low.isalpha():
+            words.append(low)
+        elif low.isdigit():
+            words += _digits(low) if len(low) > 4 or (len(low) > 1 and low[0] == "0") else cardinal(int(low))
+        elif low in _SPOKEN_SIGNS:
+            words.append(_SPOKEN_SIGNS[low])
+    return words
+
+
+def _web(core: str) -> list[str] | None:
+    """A web address (with its scheme, or www., or a known top-level domain) or an e-mail address, read
+    as spoken: https://example.com/docs is example dot com slash docs (the http(s) scheme is not read;
+    another, ftp://, is spelled: f t p)."""
+    if m := _EMAIL.fullmatch(core):
+        return [*_address(m[1]), "at", *_address(m[2])]
+    m = _URL.fullmatch(core)
+    if m is None:
+        return None
+    scheme, host, port, rest = m[1], m[2], m[3], m[4]
+    if not (scheme or host.lower().startswith("www.") or host.rsplit(".", 1)[-1].lower() in _TLDS):
+        return None
+    if not scheme and not any(c.isalpha() for c in host.rsplit(".", 1)[-1]):
+        return None
+    words = [] if scheme is None or scheme.lower() in ("http", "https") else list(scheme.lower())
+    words += _address(host)
+    if port:
+        words += ["colon", *cardinal(int(port))]
+    return words + _address(rest)
+
+
+class _Reader2(_Reader):
+    """en-2: en-1's rules, and before them telephone numbers and web and e-mail addresses."""
+
+    def _token(self, core: str, period: bool) -> list[str]:
+        if _PHONE.fullmatch(core):  # 555-0123, 555-123-4567, +1-555-123-4567: digit by digit
+            return [w for group in re.findall(r"\d+", core) for w in _digits(group)]
+        if _AREA.fullmatch(self.tokens[self.index].rstrip(",;")) and _LOCAL.fullmatch(self.neighbour(1)):
+            self.index += 1  # (555) 123-4567
+            return [w for group in re.findall(r"\d+", core + " " + self.tokens[self.index]) for w in _digits(group)]
+        if ("." in core or "@" in core) and (words := _web(core)) is not None:
+            return words
+        return super()._token(core, period)

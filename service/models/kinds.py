@@ -3,8 +3,9 @@
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
   padded along the sequence axis, each request given back its own slice of every output; a graph
   without a batch axis (max_batch_size 0) runs each request alone, its outputs whole.
-- `G2PModel`: TEXT -> PHONEMES (and ATTENTION, WORDS, REASONS on request): text read into words by
-  service/models/g2p_text.py, each word decoded on the shared continuous batch.
+- `G2PModel`: TEXT -> PHONEMES (and ATTENTION, WORDS, REASONS, SOURCES, VARIANTS on request): text read
+  into words by service/models/g2p_text.py; each word a pronouncing lexicon holds answered from it
+  (service/models/lexicon.py), each other one decoded on the shared continuous batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, ONNX_UNSERVED, UNSERVED, InputLimits, datatype_of
 from service.errors import Internal, InvalidArgument, ServingError, quote
-from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, spoken_words
+from service.models.g2p_text import RULES, SILENT_ASCII, SILENT_WIDE, VERSIONS, Known, is_symbol, spoken_words
+from service.models.lexicon import Lexicon
 from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
@@ -766,6 +768,12 @@ def _kept(h: Hypothesis) -> Hypothesis:
     return replace(h, tag=None, attention=[a if a.base is None else a.copy() for a in h.attention])
 
 
+# Where a word's answer came from (output SOURCES): a text rule (a symbol dropped), the pronouncing
+# lexicon, or the model; "" for a word without one (REASONS says why).
+SOURCE_RULE, SOURCE_LEXICON, SOURCE_MODEL = "rule", "lexicon", "model"
+_DROPPED = "symbol {} is not read: dropped, with no separator in PHONEMES"
+
+
 class G2PModel:
     kind = "g2p"
     caches_words = True  # the response cache keeps each word's answer, not whole requests
@@ -777,6 +785,8 @@ class G2PModel:
         TensorSpec("ATTENTION", "FP32", (-1, -1, -1), ("word", "phoneme", "grapheme")),
         TensorSpec("WORDS", "BYTES", (-1,), ("word",)),  # the words read from TEXT, all elements in order
         TensorSpec("REASONS", "BYTES", (-1,), ("word",)),  # why a word has no phonemes; empty when it has
+        TensorSpec("SOURCES", "BYTES", (-1,), ("word",)),  # where each word's answer came from (SOURCE_*)
+        TensorSpec("VARIANTS", "BYTES", (-1, -1), ("word", "variant")),  # each word's pronunciations, "" padded
     ]
     text_rules = RULES  # the reading rules' version, which the model card may pin
 
@@ -800,11 +810,13 @@ class G2PModel:
         }
         self.max_batch_size = config.batching.max_batch_size
         pinned = config.card.get("text_normalization", RULES)
-        if pinned != RULES:
+        if pinned not in VERSIONS:
             raise RepositoryError(
                 f"model '{self.name}' version {self.version}: its model card asks for text_normalization "
-                f"{quote(str(pinned))}, this server reads text by rules {quote(RULES)}"
+                f"{quote(str(pinned))}, this server reads text by rules {', '.join(map(quote, VERSIONS))}"
             )
+        self.text_rules = str(pinned)
+        self.lexicon: Lexicon | None = runtime.lexicon  # the version's pronouncing lexicon, when it ships one
         self.stats = ModelStats()
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
         self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
@@ -838,13 +850,24 @@ class G2PModel:
 
     def text_words(self, text: str) -> list[tuple[str, str]]:
         """Each token of `text` that holds a word, with the word as `words` reads it."""
-        return [(token, word) for token in text.split() if (word := normalize_word(token))]
+        known = self._known(self.text_rules, True)
+        out = []
+        for token in text.split():
+            if word := " ".join(spoken_words(token, self.max_word_length, rules=self.text_rules, known=known)):
+                out.append((token, word))
+        return out
+
+    def _known(self, rules: str, use_lexicon: bool) -> Known | None:
+        """What the text rules may ask of the lexicon (en-2 splits words it lacks at words it has)."""
+        return self.lexicon.known if self.lexicon is not None and use_lexicon and rules != "en-1" else None
 
     def max_text_words(self) -> int:
         return self.max_words
 
     def config_parameters(self) -> dict[str, str]:
-        return {"text_normalization": self.text_rules}  # the version of the rules that read text into words
+        lexicon = self.lexicon
+        held = f"{len(lexicon)} words, {lexicon.entries} pronunciations" if lexicon is not None else "none"
+        return {"text_normalization": self.text_rules, "lexicon": held}  # the rules that read text, the lexicon
 
     def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
         """Decoding begins; `on_failure` hears if a decoding thread dies (the registry takes the version out)."""
@@ -892,9 +915,9 @@ class G2PModel:
 
     def words(self, text: np.ndarray) -> list[list[str]]:
         """Each TEXT element -> its words, read by the text rules (service/models/g2p_text.py)."""
-        return self._words(self._raw_text(text))
+        return self._words(self._raw_text(text), self.text_rules, self._known(self.text_rules, True))
 
-    def _words(self, elements: list[bytes]) -> list[list[str]]:
+    def _words(self, elements: list[bytes], rules: str, known: Known | None) -> list[list[str]]:
         out = []
         total, limit = 0, SPOKEN_PER_WORD * self.max_words
         for i, raw in enumerate(elements):
@@ -909,7 +932,7 @@ class G2PModel:
                     f"input 'TEXT' element {i}: the model cannot spell character {quote(control)} "
                     f"(U+{ord(control):04X}) in {quote(token, 40)}: a control character"
                 )
-            words = spoken_words(s, self.max_word_length, limit - total)
+            words = spoken_words(s, self.max_word_length, limit - total, rules, known)
             if not words:
                 raise InvalidArgument(f"input 'TEXT' element {i} is empty: no word to convert")
             total += len(words)
@@ -940,6 +963,23 @@ class G2PModel:
         if not low <= value <= high:
             raise InvalidArgument(f"parameter '{name}' must be in [{low}, {high}], got {value}")
         return value
+
+    def _bool_param(self, params: dict[str, Any], name: str, default: bool) -> bool:
+        value = params.get(name, default)
+        if not isinstance(value, bool):
+            got = quote(value) if isinstance(value, str) else repr(value)
+            raise InvalidArgument(f"parameter '{name}' must be a boolean, got {got}")
+        return value
+
+    def _rules_param(self, params: dict[str, Any]) -> str:
+        """The text rules a request pins (parameter text_normalization), or the model card's."""
+        value = params.get("text_normalization", self.text_rules)
+        if value not in VERSIONS:
+            got = quote(value) if isinstance(value, str) else repr(value)
+            raise InvalidArgument(
+                f"parameter 'text_normalization' must be one of {', '.join(map(quote, VERSIONS))}, got {got}"
+            )
+        return str(value)
 
     def _word_keys(self, words: list[str], max_out: int, beam: int, with_attention: bool) -> list[bytes]:
         """What determines each word's answer: this loaded version and the decoding asked for (one digest
@@ -1025,32 +1065,52 @@ class G2PModel:
         check_outputs(names, outputs, self.name)
         beam = self._int_param(params, "beam_size", 1, 1, self.max_beam_size)
         max_out = self._int_param(params, "max_output_length", self.max_output_length, 1, self.max_output_length)
+        use_lexicon = self._bool_param(params, "lexicon", True) and self.lexicon is not None
+        rules = self._rules_param(params)
+        known = self._known(rules, use_lexicon)
         raw = self._raw_text(text)
         if sum(map(len, raw)) > THREAD_TEXT_BYTES:  # a large legal request: its words built off the event loop
-            elements = await asyncio.to_thread(self._words, raw)
+            elements = await asyncio.to_thread(self._words, raw, rules, known)
         else:
-            elements = self._words(raw)
+            elements = self._words(raw, rules, known)
         flat = [w for ws in elements for w in ws]
-        reasons = [self._unspellable(w) for w in flat]
-        spelled = [i for i, why in enumerate(reasons) if not why]  # the words decoded, by index in `flat`
-        spelled_words = [flat[i] for i in spelled]
+        dropped = [rules != "en-1" and is_symbol(w) for w in flat]  # emoji and other signs: not read (en-2)
+        sources = [SOURCE_RULE if d else "" for d in dropped]
+        answers: list[list[str]] = [[] for _ in flat]  # each word's pronunciations, its answer first
+        if use_lexicon and self.lexicon is not None:  # looked up before anything is batched
+            asked = [i for i, d in enumerate(dropped) if not d]
+            for i, (at, first) in zip(asked, self.lexicon.answers([flat[i] for i in asked]), strict=True):
+                if at >= 0:
+                    sources[i] = SOURCE_LEXICON
+                    answers[i] = self.lexicon.pronunciations(at) if "VARIANTS" in outputs else [first]
+        reasons = [
+            _DROPPED.format(quote(w, 40)) if d else "" if s else self._unspellable(w)
+            for w, d, s in zip(flat, dropped, sources, strict=True)
+        ]
+        spelled = [i for i, why in enumerate(reasons) if not why]  # the words answered, by index in `flat`
+        modelled = [i for i in spelled if sources[i] != SOURCE_LEXICON]  # the words decoded, by index
+        modelled_words = [flat[i] for i in modelled]
         with_attention = "ATTENTION" in outputs
-        longest = max(map(len, spelled_words), default=0)
-        hyps = await self._answers(spelled_words, max_out, beam, with_attention, deadline, trace)
+        longest = max((len(flat[i]) for i in spelled), default=0)
+        hyps = await self._answers(modelled_words, max_out, beam, with_attention, deadline, trace)
         decoded: list[list[str]] = [[] for _ in flat]
-        for i, h in zip(spelled, hyps, strict=True):
+        for i, h in zip(modelled, hyps, strict=True):
             decoded[i] = self.phonemes.decode(h.output)
+            answers[i], sources[i] = [" ".join(decoded[i])], SOURCE_MODEL
         joined, k = [], 0
         for ws in elements:
-            joined.append(" | ".join(" ".join(decoded[k + j]) for j in range(len(ws))).encode())
+            mine = range(k, k + len(ws))
+            # en-1 separates every word read, en-2 those it does not drop.
+            said = [answers[j][0] if answers[j] else "" for j in mine if rules == "en-1" or not dropped[j]]
+            joined.append(" | ".join(said).encode())
             k += len(ws)
         result: dict[str, np.ndarray] = {}
         if not outputs or "PHONEMES" in outputs:
             result["PHONEMES"] = np.array(joined, dtype=np.object_).reshape(text.shape)
-        if with_attention:  # a row per word read, zeros for one not decoded
+        if with_attention:  # a row per word read, zeros for one not decoded (the lexicon's among them)
             t = max(map(len, decoded)) or 1
             att = np.zeros((len(flat), t, max(longest, 1)), dtype=np.float32)
-            for i, h in zip(spelled, hyps, strict=True):
+            for i, h in zip(modelled, hyps, strict=True):
                 d = decoded[i]
                 rows = np.array(h.attention[: len(d)], dtype=np.float32).reshape(len(d), -1)
                 att[i, : len(d), : rows.shape[1]] = rows
@@ -1059,4 +1119,13 @@ class G2PModel:
             result["WORDS"] = np.array([w.encode() for w in flat], dtype=np.object_)
         if "REASONS" in outputs:
             result["REASONS"] = np.array([r.encode() for r in reasons], dtype=np.object_)
-        return Result(result, longest, sum(map(len, spelled_words)), sum(len(decoded[i]) for i in spelled))
+        if "SOURCES" in outputs:
+            result["SOURCES"] = np.array([x.encode() for x in sources], dtype=np.object_)
+        if "VARIANTS" in outputs:
+            width = max(map(len, answers), default=0) or 1
+            variants = np.full((len(flat), width), b"", dtype=np.object_)
+            for i, a in enumerate(answers):
+                variants[i, : len(a)] = [v.encode() for v in a]
+            result["VARIANTS"] = variants
+        decoded_in = sum(map(len, modelled_words))
+        return Result(result, longest, decoded_in, sum(len(decoded[i]) for i in modelled))

@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from service.datatypes import ONNX_DATATYPES
 from service.errors import InvalidArgument, quote
+from service.models.lexicon import LEXICON_FILE, Lexicon
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.batching import LONE
 from service.seq2seq.graphs import (
@@ -213,7 +214,7 @@ class TensorRuntime:
 
 
 class G2PRuntime:
-    """The g2p kind: encoder + decoder-step graphs and the two vocabularies."""
+    """The g2p kind: encoder + decoder-step graphs, the two vocabularies, and the lexicon if shipped."""
 
     def __init__(self, config: ModelConfig, providers: list[str]) -> None:
         d = config.directory
@@ -232,6 +233,8 @@ class G2PRuntime:
             ]
             self.graphemes = Vocabulary.load(d / GRAPHEMES_FILE)
             self.phonemes = Vocabulary.load(d / PHONEMES_FILE)
+            # The pronouncing lexicon, when the version ships one: its words are answered without decoding.
+            self.lexicon = Lexicon.load(d / LEXICON_FILE) if (d / LEXICON_FILE).is_file() else None
         except Exception as e:
             raise RepositoryError(f"model '{config.name}': cannot load {d}: {e}") from e
         self.provider = self.instances[0].providers[0]

@@ -65,7 +65,9 @@ def test_export_parity_and_same_figures_from_both_runtimes(tiny_checkpoint: Path
     assert parity["greedy_identical"] == 200
     assert weights["greedy_words"] == 200 and weights["greedy_identical"] >= 198  # what fp16 weights changed
     card = json.loads((tmp_path / "g2p" / "config.json").read_text())["model_card"]
-    assert set(card["sha256"]) == {"encoder.onnx", "decoder.onnx", "graphemes.json", "phonemes.json"}
+    assert set(card["sha256"]) == {"encoder.onnx", "decoder.onnx", "graphemes.json", "phonemes.json", "lexicon.txt.gz"}
+    assert card["lexicon"]["sha256"] == card["sha256"]["lexicon.txt.gz"] and card["lexicon"]["words"] > 100_000
+    assert card["training"]["recipe"]["out"] == tiny_checkpoint.parent.name  # the run by name, not its path
     assert (tmp_path / "g2p_encoder" / "1" / "model.onnx").exists()
     # Half the size: every weight matrix is stored as fp16, and onnxruntime computes in fp32.
     graph = onnx.load(str(tmp_path / "g2p" / "1" / "decoder.onnx")).graph

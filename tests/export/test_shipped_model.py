@@ -2,6 +2,9 @@
 
 import hashlib
 import json
+import shutil
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -79,3 +82,36 @@ def test_common_words_come_out_right_through_onnxruntime(version: str) -> None:
     lexicon = data.load_lexicon()
     right = [w for w, p in zip(COMMON, out, strict=True) if p in lexicon[w]]
     assert len(right) >= 9, list(zip(COMMON, out, strict=True))
+
+
+def _runs(card: dict[str, Any]) -> list[dict[str, Any]]:
+    training = card["training"]
+    return [
+        training,
+        training["recipe"],
+        *training.get("continues", []),
+        *(r["recipe"] for r in training.get("continues", [])),
+    ]
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_the_card_names_runs_and_not_the_paths_they_were_written_to(version: str) -> None:
+    card = model_cards(MODELS / "g2p")[version]
+    for run in _runs(card):
+        for key in ("run", "out", "init"):
+            name = run.get(key, "")
+            assert not name.startswith(("/", ".", "checkpoints/", "runs/")) and name.count("/") <= 1, (key, name)
+
+
+def test_the_lexicon_is_written_into_a_version_as_shipped(tmp_path: Path) -> None:
+    """`python -m export.lexicon` on a copy of version 1: the same bytes as shipped, recorded in the card."""
+    from export.lexicon import main
+
+    shutil.copy(MODELS / "g2p" / "config.json", tmp_path / "config.json")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    assert main([str(tmp_path / "1")]) == 0
+    written = (tmp_path / "1" / "lexicon.txt.gz").read_bytes()
+    assert written == (MODELS / "g2p" / "1" / "lexicon.txt.gz").read_bytes()
+    card = json.loads((tmp_path / "config.json").read_text())["model_card"]["versions"]["1"]
+    assert card["lexicon"]["sha256"] == card["sha256"]["lexicon.txt.gz"] == hashlib.sha256(written).hexdigest()

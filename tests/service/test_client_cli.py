@@ -37,7 +37,7 @@ def test_sync_and_async_clients_agree(server: RunningServer) -> None:
 
 def test_deadline_is_enforced(server: RunningServer) -> None:
     with Client(server.url) as c, pytest.raises(grpc.RpcError) as e:
-        c.g2p(["supercalifragilistic"] * 60, timeout=0.001)
+        c.g2p(["supercalifragilistic"] * 60, timeout=0.001, lexicon=False)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -122,11 +122,12 @@ def test_client_retries_refusals_that_carry_a_pushback_hint(tmp_path: Path) -> N
     try:
         with grpc.insecure_channel(s.url) as ch:  # saturate once, so the server has measured its rate
             stub = protocol.Stub(ch)
-            futures = [stub.ModelInfer.future(g2p_request(["transformer"] * 8), timeout=30) for _ in range(30)]
+            decoded = g2p_request(["transformer"] * 8, lexicon=False)  # decoded, not looked up: work to queue
+            futures = [stub.ModelInfer.future(decoded, timeout=30) for _ in range(30)]
             codes = {f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures}
             assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
         with Client(s.url, timeout=60) as c, ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: c.g2p(["transformer"] * 8), range(40)))
+            results = list(pool.map(lambda i: c.g2p(["transformer"] * 8, lexicon=False), range(40)))
         assert len(results) == 40 and all(len(r) == 8 for r in results)
     finally:
         stop_server(s)

@@ -288,7 +288,7 @@ def test_one_greedy_word_is_answered_soon_while_four_clients_loop_beam_8_x_64_wo
 
     def beam_client() -> None:
         with grpc.insecure_channel(server.url) as channel:
-            stub, request = protocol.Stub(channel), g2p_request(WORDS, beam_size=8)
+            stub, request = protocol.Stub(channel), g2p_request(WORDS, beam_size=8, lexicon=False)
             while not stop.is_set():
                 start = time.monotonic()
                 try:
@@ -309,7 +309,7 @@ def test_one_greedy_word_is_answered_soon_while_four_clients_loop_beam_8_x_64_wo
             assert time.monotonic() < deadline, f"no beam request answered: {beam_refused}"
             time.sleep(0.05)
         with grpc.insecure_channel(server.url) as channel:
-            stub, request = protocol.Stub(channel), g2p_request(["probe"])
+            stub, request = protocol.Stub(channel), g2p_request(["probe"], lexicon=False)
             started = time.monotonic()
             while time.monotonic() - started < (6 if len(probes) + len(failed) >= 20 else 60):  # 20 at least
                 t0 = time.monotonic()

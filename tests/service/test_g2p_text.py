@@ -16,12 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.bench.servers import variant
-from service.models.g2p_text import RULES, _Reader, _strip, cardinal, fold, ordinal, spoken_words, year
+from service.models.g2p_text import RULES, _Reader, _strip, cardinal, fold, is_symbol, ordinal, spoken_words, year
 from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
+from service.models.lexicon import LEXICON_FILE, Lexicon
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_http import post
 
-# Awkward sentences and the words they read as (docs/model.md, "Text normalisation").
+EN_1 = {"text_normalization": "en-1"}  # the request parameter that pins the rules en-1
+# Awkward sentences and the words they read as (docs/model.md, "Text normalisation"), by en-1 and en-2 alike.
 CORPUS = [
     ("Dr. Smith paid $5 on 3/4", "doctor smith paid five dollars on three quarters"),
     ("naïve café", "naive cafe"),
@@ -141,14 +143,16 @@ def _decoded(result: g.InferResult | h.InferResult, name: str) -> list[str]:
 
 
 def _answers(client: g.InferenceServerClient | h.InferenceServerClient) -> tuple[list[str], list[str], list[str]]:
-    """The corpus in requests of 4 sentences (max_words counts words as written): PHONEMES, WORDS, REASONS."""
+    """The corpus in requests of 4 sentences (max_words counts words as written): PHONEMES, WORDS, REASONS,
+    read by the rules `en-1` as a client that pins them asks (the corpus is theirs)."""
     grpc = isinstance(client, g.InferenceServerClient)
     tensor, output = (g.InferInput, g.InferRequestedOutput) if grpc else (h.InferInput, h.InferRequestedOutput)
     names = ("PHONEMES", "WORDS", "REASONS")
     out: tuple[list[str], list[str], list[str]] = ([], [], [])
     for i in range(0, len(CORPUS), 4):
         sentences = [s for s, _ in CORPUS[i : i + 4]]
-        result = client.infer("g2p", [_text(sentences, tensor)], outputs=[output(n) for n in names])
+        wanted = [output(n) for n in names]
+        result = client.infer("g2p", [_text(sentences, tensor)], outputs=wanted, parameters=EN_1)
         for answers, name in zip(out, names, strict=True):
             answers += _decoded(result, name)
     return out
@@ -187,7 +191,8 @@ def test_clients_that_ask_for_nothing_new_get_the_old_outputs(server: RunningSer
 def test_only_unspellable_words_are_answered_without_decoding(server: RunningServer) -> None:
     client = g.InferenceServerClient(server.url)
     wanted = [g.InferRequestedOutput(n) for n in ("PHONEMES", "REASONS", "ATTENTION")]
-    result = client.infer("g2p", [_text(["中文 🍕", "ok"], g.InferInput)], outputs=wanted)
+    decoded = {**EN_1, "lexicon": False}  # "ok" decoded, not looked up: its attention
+    result = client.infer("g2p", [_text(["中文 🍕", "ok"], g.InferInput)], outputs=wanted, parameters=decoded)
     assert _decoded(result, "PHONEMES")[0] == " | "
     assert all("cannot spell character" in r for r in _decoded(result, "REASONS")[:2])
     attention = result.as_numpy("ATTENTION")
@@ -215,7 +220,8 @@ def test_a_card_pinning_other_rules_is_not_served(tmp_path: Path) -> None:
     repo = variant(MODELS, tmp_path / "models", {"g2p": {"model_card": {"text_normalization": "en-0"}}})
     with pytest.raises(RuntimeError) as refused:
         stop_server(start_server(["--model-repository", str(repo)], tmp_path / "server.log"))
-    assert "model card asks for text_normalization 'en-0', this server reads text by rules 'en-1'" in str(refused.value)
+    why = "model card asks for text_normalization 'en-0', this server reads text by rules 'en-1', 'en-2'"
+    assert why in str(refused.value)
 
 
 @settings(max_examples=2000, deadline=None, database=None)
@@ -258,3 +264,98 @@ def test_a_large_text_is_read_off_the_event_loop_and_answers_the_same(server: Ru
     small = client.infer("g2p", [_text(["hello", "£3.50"] * 3, g.InferInput)])
     assert _decoded(big, "PHONEMES") == _decoded(small, "PHONEMES")
     assert [len(p.split(" | ")) for p in _decoded(big, "PHONEMES")] == [1, 4] * 3
+
+
+# --- en-2: read with the pronouncing lexicon -----------------------------------------------------------------
+
+# en-2's additions, with the words the shipped lexicon knows; and how en-1 reads the same (unchanged).
+EN_2 = [
+    ("naïve café", "naive cafe", "naive cafe"),
+    ("In 1999, the 1980s", "in nineteen ninety nine the nineteen eighties",
+     "in nineteen ninety nine the nineteen eighties"),
+    ("1st and 22nd", "first and twenty second", "first and twenty second"),
+    ("call 555-0123", "call five five five zero one two three", "call five hundred fifty five zero one two three"),
+    ("(555) 123-4567 or 555.123.4567", "five five five one two three four five six seven or five five five one two "
+     "three four five six seven", "five hundred fifty five one hundred twenty three four thousand five hundred "
+     "sixty seven or five hundred fifty five one hundred twenty three four thousand five hundred sixty seven"),
+    ("+1-555-123-4567", "one five five five one two three four five six seven",
+     "plus one five hundred fifty five one hundred twenty three four thousand five hundred sixty seven"),
+    ("see https://example.com", "see example dot com", "see https example.com"),
+    ("mail bob.smith@example.org", "mail bob dot smith at example dot org", "mail bob.smith at example.org"),
+    ("www.example.co.uk/docs/page_2", "w w w dot example dot co dot uk slash docs slash page underscore two",
+     "www.example.co.uk docs page two"),
+    ("ftp://files.example.net:8080", "f t p files dot example dot net colon eight thousand eighty",
+     "ftp files.example.net eight thousand eighty"),
+    ("e.g. node.js, 3.14 and c.o.d.", "for example node.js three point one four and c.o.d.",
+     "for example node.js three point one four and c.o.d."),
+    ("state-of-the-art deep-learning", "state-of-the-art deep learning", "state-of-the-art deep-learning"),
+    ("antidisestablishmentarianismwhatever", "antidisestablishmentarianism whatever",
+     "antidisestablishme ntarianismwhatever"),
+    ("Meet at 3:30 pm on 3/4", "meet at three thirty p.m. on three quarters",
+     "meet at three thirty p.m. on three quarters"),
+    ("I love 🍕", "i love 🍕", "i love 🍕"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def known() -> Lexicon:
+    return Lexicon.load(MODELS / "g2p" / "2" / LEXICON_FILE)
+
+
+@pytest.mark.parametrize(("text", "en_2", "en_1"), EN_2)
+def test_en_2_reads_numbers_addresses_and_compounds_as_spoken(known: Lexicon, text: str, en_2: str, en_1: str) -> None:
+    assert spoken_words(text, known=known.known) == en_2.split()
+    assert spoken_words(text, rules="en-1", known=known.known) == en_1.split()  # en-1 as it was, lexicon or not
+
+
+def test_en_2_splits_only_words_the_lexicon_lacks(known: Lexicon) -> None:
+    """A compound: at most two known words of four letters or more; a word the lexicon has stays whole."""
+    assert spoken_words("bookshelf xylophonebookshelf dataset pizzaboxes") == [
+        "bookshelf", "xylophonebookshelf", "dataset", "pizzaboxes"
+    ]  # fmt: skip
+    assert spoken_words("bookshelf xylophonebookshelf qwzzbix", known=known.known) == [
+        "bookshelf", "xylophone", "bookshelf", "qwzzbix"
+    ]  # fmt: skip
+    too_long = "x" * 40
+    assert spoken_words(too_long, known=known.known) == ["x" * 20, "x" * 20]  # no known parts: cut as before
+
+
+@pytest.mark.parametrize(("word", "symbol"), [("🍕", True), ("👍🏽", True), ("❤️", True), ("→", True), ("€", True),
+                                              ("中文", False), ("a", False), ("", False), ("🍕a", False)])  # fmt: skip
+def test_symbols_are_what_en_2_drops(word: str, symbol: bool) -> None:
+    assert is_symbol(word) is symbol
+
+
+def test_en_2_answers_the_issue_examples_over_grpc(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    names = ("PHONEMES", "WORDS", "REASONS", "SOURCES")
+    texts = ["naïve café", "In 1999", "call 555-0123", "see https://example.com", "I love 🍕 pizza"]
+    result = client.infer("g2p", [_text(texts, g.InferInput)], outputs=[g.InferRequestedOutput(n) for n in names])
+    phonemes, words, reasons, sources = (_decoded(result, n) for n in names)
+    assert " ".join(words) == (
+        "naive cafe in nineteen ninety nine call five five five zero one two three see example dot com i love 🍕 pizza"
+    )
+    assert (
+        phonemes[0] == "N AY2 IY1 V | K AH0 F EY1"
+        and phonemes[3] == "S IY1 | IH0 G Z AE1 M P AH0 L | D AA1 T | K AA1 M"
+    )
+    assert phonemes[4] == "AY1 | L AH1 V | P IY1 T S AH0"  # the emoji dropped, no separator left
+    assert reasons[-2] == "symbol '🍕' is not read: dropped, with no separator in PHONEMES" and sources[-2] == "rule"
+    assert set(sources) - {"rule"} == {"lexicon"}
+    pinned = client.infer("g2p", [_text(texts[-1:], g.InferInput)], parameters=EN_1)
+    assert _decoded(pinned, "PHONEMES") == ["AY1 | L AH1 V |  | P IY1 T S AH0"]  # en-1: as it answered
+
+
+def test_a_card_pinning_en_1_is_served_by_en_1(tmp_path: Path) -> None:
+    """A model card that pins en-1 keeps its reading: its config says so and its answers are en-1's."""
+    pin = {"text_normalization": "en-1", "versions": {"1": {"text_normalization": "en-1"}}}
+    repo = variant(MODELS, tmp_path / "models", {"g2p": {"model_card": pin}})
+    s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
+    try:
+        client = g.InferenceServerClient(s.url)
+        assert client.get_model_config("g2p").config.parameters["text_normalization"].string_value == "en-1"
+        result = client.infer("g2p", [_text(["see https://example.com"], g.InferInput)],
+                              outputs=[g.InferRequestedOutput("WORDS")])  # fmt: skip
+        assert _decoded(result, "WORDS") == ["see", "https", "example.com"]
+    finally:
+        stop_server(s)

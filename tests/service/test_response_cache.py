@@ -329,7 +329,8 @@ def test_g2p_keeps_each_words_answer_and_decodes_only_the_others(cached_g2p: Run
         stub = protocol.Stub(channel)
 
         def phonemes(text: str) -> list[str]:
-            return g2p_outputs(stub.ModelInfer(g2p_request([text]), timeout=60))["PHONEMES"]
+            # lexicon false: every word goes to the cache or the decoder, none answered by the lexicon
+            return g2p_outputs(stub.ModelInfer(g2p_request([text], lexicon=False), timeout=60))["PHONEMES"]
 
         def counts() -> tuple[int, int, int]:  # of the version requests reach: the newest
             (s,) = stub.ModelStatistics(protocol.ModelStatisticsRequest(name="g2p", version="2"), timeout=5).model_stats

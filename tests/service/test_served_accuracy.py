@@ -11,6 +11,7 @@ import pytest
 from export import data
 from export.evaluate import predict
 from export.quantize import quantize_graphs
+from export.scoring import score
 from service.bench import variant
 from service.client import Client
 from service.models.kinds import normalize_word
@@ -35,7 +36,7 @@ def test_served_predictions_equal_offline_evaluation(server: RunningServer, vers
     client = Client(server.url, timeout=60)  # retries a refusal after the server's pushback hint
 
     def call(chunk: list[str]) -> list[str]:
-        return client.g2p(chunk, version=version)
+        return client.g2p(chunk, version=version, lexicon=False)  # the model alone, as offline
 
     # Requests of 1 to 16 words, 8 in flight: they share continuous batches on the server.
     rng = random.Random(1)
@@ -49,6 +50,10 @@ def test_served_predictions_equal_offline_evaluation(server: RunningServer, vers
     mismatches = [(w, s, " ".join(o)) for w, s, o in zip(words, served, offline, strict=True) if s != " ".join(o)]
     assert not mismatches, mismatches[:5]
     assert len(words) >= (sample or len(data.read_split("test")) - 20)
+    if version == "2":  # the model alone on the test split, stress-free, as its card says
+        lexicon = data.load_lexicon()
+        wer = score([s.split() for s in served], [lexicon[w] for w in words])["wer_stress_free"]
+        assert wer <= 0.247, wer
 
 
 def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_path: Path) -> None:
@@ -71,7 +76,9 @@ def test_the_int8_graphs_are_served_when_asked_for_and_answer_as_offline(tmp_pat
     s = start_server(["--model-repository", str(repo)], tmp_path / "server.log")
     try:
         client = Client(s.url, timeout=60)
-        served = [p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10], version="1")]
+        served = [
+            p for i in range(0, len(words), 10) for p in client.g2p(words[i : i + 10], version="1", lexicon=False)
+        ]
     finally:
         stop_server(s)
     assert served == int8

@@ -104,7 +104,7 @@ def test_a_g2p_request_continues_the_callers_trace_with_its_time_split_into_span
     traceparent = new_traceparent()
     _, trace_id, caller, _ = traceparent.split("-")
     with Client(traced.url) as c:
-        assert c.g2p(["attention", "transformer"], traceparent=traceparent) == [
+        assert c.g2p(["attention", "transformer"], traceparent=traceparent, lexicon=False) == [  # decoded
             "AH0 T EH1 N SH AH0 N",
             "T R AE0 N S F AO1 R M ER0",
         ]
@@ -140,7 +140,8 @@ def test_a_g2p_request_continues_the_callers_trace_with_its_time_split_into_span
 def test_a_beam_request_rides_in_a_beam_search_batch(traced: RunningServer, collector: Collector) -> None:
     traceparent = new_traceparent()
     with grpc.insecure_channel(traced.url) as ch:
-        protocol.Stub(ch).ModelInfer(g2p_request(["attention"], beam_size=4), metadata=[("traceparent", traceparent)])
+        request = g2p_request(["attention"], beam_size=4, lexicon=False)  # decoded, not looked up
+        protocol.Stub(ch).ModelInfer(request, metadata=[("traceparent", traceparent)])
     _, kids = trace_parts(collector, traceparent, 3)
     assert attrs(kids["qkv.decode"])["qkv.decode.beam_width"] == 4
     batch = attrs(batch_of(collector, kids["qkv.decode"]))
@@ -205,7 +206,8 @@ def test_latency_histogram_carries_trace_ids_as_exemplars(traced: RunningServer,
 
 
 def test_qkv_infer_sends_a_new_trace_and_prints_its_id(traced: RunningServer, collector: Collector) -> None:
-    out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", traced.url, "attention"],
+    decoded = ["--no-lexicon", "attention"]  # the model decodes it: its spans
+    out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", traced.url, *decoded],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
     assert out.returncode == 0 and out.stdout == "attention\tAH0 T EH1 N SH AH0 N\n", out.stderr
     trace_id = out.stderr.strip().removeprefix("trace ")
@@ -235,7 +237,7 @@ def test_otlp_over_http_and_sampling_ratio_zero_sends_nothing(tmp_path: Path, co
     try:
         s = start_server(["--tracing"], tmp_path / "http.log", env)  # the SDK's default sampler: every request
         with Client(s.url) as c:
-            c.g2p(["attention"])
+            c.g2p(["attention"], lexicon=False)  # decoded: a qkv.batch span
         stop_server(s)  # the drain exports what is buffered
         paths = {path for path, _ in _HttpReceiver.got}
         names = {sp.name for _, r in _HttpReceiver.got for rs in r.resource_spans for ss in rs.scope_spans
@@ -355,7 +357,8 @@ def test_the_spans_of_one_qkv_infer_request_are_printed_without_a_collector(wher
     s = start_server(args, tmp_path / "server.log")  # no OTEL_* variable: the export is local
     read = s.output if where == "console" else lambda: file.read_text() if file.exists() else ""
     try:
-        out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", s.url, "attention"],
+        decoded = ["--no-lexicon", "attention"]  # the model decodes it: its spans
+        out = subprocess.run([sys.executable, "-m", "service.cli", "infer", "--url", s.url, *decoded],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
         assert out.returncode == 0 and out.stdout == "attention\tAH0 T EH1 N SH AH0 N\n", out.stderr
         trace_id = out.stderr.strip().removeprefix("trace ")
