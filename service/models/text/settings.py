@@ -76,9 +76,9 @@ class TextSettings:
         for key, low in (("max_length", 2), ("max_chunks", 1), ("max_texts", 1), ("max_element_bytes", 1)):
             if getattr(self, key) < low:
                 raise RepositoryError(f"{where}: text.{key} must be >= {low}, got {getattr(self, key)}")
-        if not 0 <= self.chunk_overlap < self.max_length // 2:
+        if not 0 <= self.chunk_overlap <= self.max_length // 2:
             raise RepositoryError(
-                f"{where}: text.chunk_overlap must be in [0, max_length / 2), got {self.chunk_overlap}"
+                f"{where}: text.chunk_overlap must be in [0, max_length / 2], got {self.chunk_overlap}"
             )
         if self.default_prompt and self.default_prompt not in self.prompts:
             raise RepositoryError(f"{where}: text.default_prompt {self.default_prompt!r} is not one of text.prompts")
