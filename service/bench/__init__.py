@@ -6,6 +6,7 @@
     qkv bench --peers                         # beside Triton, MLServer, plain grpc.aio (makes their venvs)
     qkv bench --text                          # g2p on English text, its response cache on and off
     qkv bench --sequences                     # a stateful model: 64 sequences at once vs one at a time
+    qkv bench --text-model DIR                # a Hugging Face text folder served, against its ceiling
 
 Every served figure is a ratio to a figure measured in the same run on the same machine (the
 in-process onnxruntime ceiling, or the same server with one setting changed), so the numbers
@@ -68,6 +69,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text", action="store_true", help="g2p on English text (fortunes): response cache on/off")
     parser.add_argument("--text-file", type=Path, metavar="PATH", help="--text on this file (or directory) instead")
     parser.add_argument("--sequences", action="store_true", help="stateful steps: 64 sequences at once vs one")
+    parser.add_argument("--text-model", type=Path, metavar="DIR", help="a text model's exported folder, served")
+    parser.add_argument("--text-source", type=Path, metavar="DIR", help="--text-model: sentence-transformers' folder")
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument("--url", default="127.0.0.1:8001")
     parser.add_argument("--model", default="g2p_encoder", choices=("g2p_encoder", "g2p"))
@@ -117,6 +120,12 @@ def main(argv: list[str]) -> int:
 
         print(text_table(text_bench(args.model_repository, args.out, args.seconds, args.text_file)))
         print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
+        return 0
+    if args.text_model:
+        from service.bench.text_models import text_model_bench, text_model_table
+
+        print(text_model_table(text_model_bench(args.text_model, args.out, args.seconds, args.text_source)))
+        print(f"wrote {args.out / 'text_model.json'}")
         return 0
     if args.sequences:
         from service.bench.sequences import sequences_bench, sequences_table

@@ -295,3 +295,23 @@ def test_the_docs_examples_run_as_written(server: RunningServer, tmp_path: Path)
     for command, printed in run:
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode == 0 and done.stdout.strip() == printed, (command, done.stdout, done.stderr)
+
+
+def test_metrics_count_tokens_tokenizing_and_truncated_requests(server: RunningServer) -> None:
+    def scraped() -> dict[str, float]:
+        text = urllib.request.urlopen(server.metrics_url).read().decode()
+        wanted = ("qkv_request_tokens_sum", "qkv_tokenize_duration_seconds_count", "qkv_truncated_requests_total")
+        found = {}
+        for line in text.splitlines():
+            name = line.split("{")[0]
+            if name in wanted and 'model="minilm"' in line:
+                found[name] = float(line.rsplit(" ", 1)[1])
+        return found
+
+    before = scraped()
+    long = " ".join(["word"] * 400)  # 402 tokens, cut to 256
+    assert post(server, "/v1/embeddings", {"model": "minilm", "input": [long, "short text"]})[0] == 200
+    after = scraped()
+    assert after["qkv_request_tokens_sum"] - before.get("qkv_request_tokens_sum", 0) == 256 + 4
+    assert after["qkv_tokenize_duration_seconds_count"] - before.get("qkv_tokenize_duration_seconds_count", 0) == 1
+    assert after["qkv_truncated_requests_total"] - before.get("qkv_truncated_requests_total", 0) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -116,6 +117,7 @@ class TextModel:
         self.with_types = "token_type_ids" in graph_inputs
         output, self.dim = self._graph_output(runtime.outputs, where)
         self.encoder = _Encoder(inner, runtime, observer, self._head, output)
+        self.observer = observer
         self.config = replace(config, outputs=self._declared())
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.in_flight = InFlight()
@@ -253,8 +255,11 @@ class TextModel:
             raise InvalidArgument(f"parameter 'long_inputs': chunk is for embeddings, model '{self.name}' is {s.task}")
         side = _choice(params, "truncation_side", s.truncation_side, SIDES)
         dimensions = _integer(params, "dimensions", self.dim, 1, self.dim) if s.task == "embed" else self.dim
+        started = time.perf_counter()
         fitted = await self._fitted(inputs, params, policy, side)
         rows = [r for f in fitted for r in f.rows]
+        tokenized = time.perf_counter() - started
+        self.observer.tokenized(sum(f.tokens for f in fitted), tokenized, any(f.cut for f in fitted))
         values = await self._run(rows, deadline, trace)
         result = self._answer(fitted, rows, values, dimensions)
         tokens = np.array([f.tokens for f in fitted], dtype=np.int64)
