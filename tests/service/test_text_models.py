@@ -315,3 +315,28 @@ def test_metrics_count_tokens_tokenizing_and_truncated_requests(server: RunningS
     assert after["qkv_request_tokens_sum"] - before.get("qkv_request_tokens_sum", 0) == 256 + 4
     assert after["qkv_tokenize_duration_seconds_count"] - before.get("qkv_tokenize_duration_seconds_count", 0) == 1
     assert after["qkv_truncated_requests_total"] - before.get("qkv_truncated_requests_total", 0) == 1
+
+
+def test_v2_bad_input_is_invalid_argument(server: RunningServer) -> None:
+    import tritonclient.grpc as g
+    from tritonclient.utils import InferenceServerException
+
+    def infer(inputs: list[Any], **kwargs: Any) -> str:
+        with g.InferenceServerClient(server.url) as c, pytest.raises(InferenceServerException) as e:
+            c.infer("minilm", inputs, **kwargs)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT", e.value
+        return str(e.value.message())
+
+    numbers = g.InferInput("TEXT", [1], "INT64")
+    numbers.set_data_from_numpy(np.array([7], dtype=np.int64))
+    assert "TEXT" in infer([numbers])
+    empty = g.InferInput("TEXT", [1], "BYTES")
+    empty.set_data_from_numpy(np.array([b"   "], dtype=object))
+    assert "element 0 is empty" in infer([empty])
+    text = g.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"fine"], dtype=object))
+    assert "dimensions" in infer([text], parameters={"dimensions": 385})
+    assert "long_inputs" in infer([text], parameters={"long_inputs": "sometimes"})
+    broken = g.InferInput("TEXT", [1], "BYTES")
+    broken.set_data_from_numpy(np.array([b"\xff\xfe"], dtype=object))
+    assert "UTF-8" in infer([broken])
