@@ -435,6 +435,7 @@ def test_every_http_endpoint_label_is_documented() -> None:
     from service.frontends.rest_api import RestServer
     from service.frontends.security import BearerTokens
     from service.frontends.shared_memory import SharedMemoryRegistry
+    from service.frontends.text_api import ENDPOINTS as TEXT_ENDPOINTS
     from service.observability.metrics import Metrics
 
     regions = SharedMemoryRegistry(0, 0, 0)
@@ -446,6 +447,7 @@ def test_every_http_endpoint_label_is_documented() -> None:
     [cell] = [row[1] for row in rows if row[0] == "`endpoint`"]
     documented_endpoints = set(codes(cell)) - {"qkv_http_requests_total"}
     code_endpoints = {r.endpoint for r in routes} | {"unknown"}  # unknown: a path that is no route
+    code_endpoints |= {endpoint for endpoint, _ in TEXT_ENDPOINTS.values()}  # OpenAI's and TEI's shapes
     assert_same(documented_endpoints, code_endpoints, 'docs/design.md, "Metrics" endpoint label', "endpoints")
 
 

@@ -52,6 +52,7 @@ from service.frontends.rest_codec import (
 )
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import HTTP_STATUS, http_status
+from service.frontends.text_api import TextApi
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -196,6 +197,7 @@ class RestServer:
             "register": ("POST", self._shm_register),
             "unregister": ("POST", self._shm_unregister),
         }
+        self._text = TextApi(plane, self._body)  # OpenAI- and TEI-shaped endpoints of text models
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -255,6 +257,8 @@ class RestServer:
                     route = self._model_routes.get(tail[0] if tail else "")
             if route is None and rest[:1] in (("systemsharedmemory",), ("cudasharedmemory",)):
                 route = self._shared_memory_route(rest)
+        if route is None and (text := self._text.route(tuple(parts))) is not None:
+            route = _Route(*text)
         if route is None:
             raise _Refused(404, f"no endpoint {quote(raw)}: the v2 protocol's paths start /v2 (docs/design.md)")
         if request.method != route.method and not (route.method == "GET" and request.method == "HEAD"):

@@ -22,6 +22,7 @@ from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
 from service.models.response_cache import ResponseCache
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.models.stateful import StatefulTensorModel
+from service.models.text import build_text_model
 from service.observability.metrics import ModelObserver
 from service.repository.layout import ModelConfig
 from service.scheduling.admission import Admission
@@ -143,7 +144,11 @@ def _ensemble(config: ModelConfig, context: Context) -> ServedVersion:
     return EnsembleModel(config, context.steps, context.observer)
 
 
-KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p, "ensemble": _ensemble}
+def _text(config: ModelConfig, context: Context) -> ServedVersion:
+    return build_text_model(config, context.providers, context.observer)
+
+
+KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p, "ensemble": _ensemble, "text": _text}
 
 
 def build(config: ModelConfig, context: Context) -> ServedVersion:

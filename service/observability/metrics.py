@@ -60,6 +60,7 @@ COMPUTE_BUCKETS = (
     5.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REQUEST_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
@@ -197,12 +198,26 @@ class Metrics:
             ["model", "version"],
             registry=r,
         )
+        # Text models: what a request's texts read as (docs/text-models.md).
+        self.request_tokens = Histogram(
+            "qkv_request_tokens", "Tokens of one text model request, all its inputs, as the model ran them",
+            ["model", "version"], buckets=REQUEST_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokenize_duration = Histogram(
+            "qkv_tokenize_duration_seconds", "Time to tokenize one text model request", ["model", "version"],
+            buckets=COMPUTE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.truncated_requests = Counter(
+            "qkv_truncated_requests", "Text model requests with an input cut to the model's max_length",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
             self.dropped, self.failed_computations, self.batching_setting, self.ensemble_steps,
             self.ensemble_step_duration, self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
+            self.request_tokens, self.tokenize_duration, self.truncated_requests,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -330,6 +345,14 @@ class ModelObserver:
             )
         self._sequence_series[0].set(live)
         self._sequence_series[1].set(state_bytes)
+
+    def tokenized(self, tokens: int, seconds: float, truncated: bool) -> None:
+        """A text model's request read: its tokens, the time its tokenizing took, whether an input was cut."""
+        m = self._metrics
+        m.request_tokens.labels(*self._labels).observe(tokens)
+        m.tokenize_duration.labels(*self._labels).observe(seconds)
+        if truncated:
+            m.truncated_requests.labels(*self._labels).inc()
 
     def sequences_expired(self, count: int) -> None:
         self._metrics.expired_sequences.labels(*self._labels).inc(count)

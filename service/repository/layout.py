@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger("qkv.repository")
 
-KINDS = ("tensor", "g2p", "ensemble")
+KINDS = ("tensor", "g2p", "ensemble", "text")
 # A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
 # ones are a few KiB, four levels deep.
 MAX_CONFIG_BYTES = 1 << 20
@@ -168,6 +168,8 @@ class ModelConfig:
     warmup: tuple[dict[str, Any], ...] = ()  # model_warmup's samples, in Triton's JSON form
     priorities: Priorities | None = None  # dynamic_batching's priority levels and queue policies
     preferred_batch_sizes: tuple[int, ...] = ()  # dynamic_batching.preferred_batch_size: batches cut to them
+    # Text models: config.json's "text" section, read by the kind (service/models/text/settings.py).
+    text: dict[str, Any] = field(default_factory=dict)
 
 
 def _integer(value: Any) -> bool:
@@ -246,7 +248,7 @@ def _typed(cls: type, values: dict[str, Any], where: str, section: str = "") -> 
 _TOP_LEVEL = ("name", "kind", "batching", "max_batch_size", "model_card", "version_policy", "inputs", "outputs",
               "instances", "intra_op_threads", "inter_op_threads", "lone_request_threads", "optimization",
               "precision", "sequence_axis", "limits", "response_cache", "sequence_batching", "ensemble_scheduling",
-              "platform")  # fmt: skip
+              "platform", "text")  # fmt: skip
 # Triton's model configuration fields that qkv does not read: a config written for Triton loads, and the
 # server says what it leaves aside. ("name", "max_batch_size" and "version_policy" are read.)
 TRITON_FIELDS = frozenset({
@@ -259,6 +261,7 @@ LIMITS = {
     "tensor": ("max_sequence_length", "vocab_size", "value_range", "max_output_elements"),
     "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
     "ensemble": (),
+    "text": (),  # a text model's limits are in its "text" section
 }
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, when config.json names none
@@ -368,7 +371,9 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     at = f"{where}: {'config.json' if triton is None else triton.source}"
     _top_level(raw, at)  # every value is checked against its type before anything reads it
     platform = _typed_value("str", raw.get("platform", ""), "platform", at)  # Triton's: only "ensemble" says anything
-    default_kind = "ensemble" if platform == ENSEMBLE_PLATFORM else "tensor"
+    # a folder as Hugging Face exports it (model.onnx beside tokenizer.json) is a text model
+    text_folder = (model_dir / chosen / "tokenizer.json").is_file()
+    default_kind = "ensemble" if platform == ENSEMBLE_PLATFORM else "text" if text_folder else "tensor"
     kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)
     if kind not in KINDS:
         raise RepositoryError(f"{at}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
@@ -413,6 +418,9 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         except SequenceConfigError as e:
             raise RepositoryError(f"{at}: {e}") from None
     ensemble = _ensemble(raw.get("ensemble_scheduling"), kind, name, inputs, outputs, at)
+    text = raw.get("text", {})
+    if not isinstance(text, dict) or (text and kind != "text"):
+        raise RepositoryError(f"{at}: text must be a JSON object, for a text model (kind 'text'), got {_shown(text)}")
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)
@@ -434,6 +442,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         response_cache=response_cache,
         sequence_batching=sequence,
         ensemble=ensemble,
+        text=text,
         **settings,
         **extras,
     )
