@@ -122,11 +122,13 @@ def check_version_string(version: str) -> None:
     GetModelVersionFromString: clients match on them)."""
     if not _VERSION_STRING.match(version):
         raise InvalidArgument(
-            f"failed to get model version from specified version string '{version}' (details: stol), version "
+            f"failed to get model version from specified version string {quote(version)} (details: stol), version "
             "should be an integral value > 0"
         )
     if version.strip().startswith("-"):
-        raise InvalidArgument(f"invalid model version specified '{version}' , version should be an integral value > 0")
+        raise InvalidArgument(
+            f"invalid model version specified {quote(version)} , version should be an integral value > 0"
+        )
 
 
 def one_malloc_arena() -> None:

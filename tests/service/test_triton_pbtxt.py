@@ -196,10 +196,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(repository: Path) -> Iterator[RunningServer]:
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     s = start_server(
         ["--model-repository", str(repository), "--model-control-mode", "explicit", "--load-model", "*"],
-        repository.parent / "server.log",
+        tmp_path_factory.mktemp("server") / "server.log",  # its own: the start reads its ports from it
     )
     yield s
     stop_server(s)
@@ -254,12 +254,16 @@ def test_what_the_file_omits_is_auto_completed_from_the_graph(server: RunningSer
 def test_a_load_request_carries_a_config_in_triton_json_form(server: RunningServer) -> None:
     client = g.InferenceServerClient(server.url)
     config = _triton_json(SIMPLE_PBTXT.replace("count: 3", "count: 1"))
-    client.load_model("simple", config=json.dumps(config))
-    assert client.get_model_config("simple").config.instance_group[0].count == 1
-    _infer(g, server.url)
-    bad = dict(config, platform="pytorch_libtorch")
-    with pytest.raises(InferenceServerException, match="platform 'pytorch_libtorch'"):
-        client.load_model("simple", config=json.dumps(bad))
+    try:
+        client.load_model("simple", config=json.dumps(config))
+        assert client.get_model_config("simple").config.instance_group[0].count == 1
+        _infer(g, server.url)
+        bad = dict(config, platform="pytorch_libtorch")
+        with pytest.raises(InferenceServerException, match="platform 'pytorch_libtorch'"):
+            client.load_model("simple", config=json.dumps(bad))
+    finally:  # a load without a config reads the file again: the module's other tests see the file's config
+        client.load_model("simple")
+    assert client.get_model_config("simple").config.instance_group[0].count == 3
 
 
 def test_version_strings_are_refused_in_tritons_words(server: RunningServer) -> None:
