@@ -97,8 +97,12 @@ def test_a_run_started_from_another_has_its_weights_and_lists_it(teacher: Path, 
     assert state["lineage"][0]["steps"] == start["step"] and "CPU" in state["hardware"]
     from export.onnx_export import _earlier_runs
 
-    card = _earlier_runs(state)
-    assert card["continues"] == state["lineage"]
+    card = _earlier_runs(state)  # the card names each run and its recipe's folders, never their paths
+    assert [run["run"] for run in card["continues"]] == [teacher.name]
+    assert card["continues"][0]["recipe"]["out"] == teacher.name
+    assert [{k: v for k, v in run.items() if k not in ("run", "recipe")} for run in card["continues"]] == [
+        {k: v for k, v in run.items() if k not in ("run", "recipe")} for run in state["lineage"]
+    ]
     assert card["total_hours"] == pytest.approx((state["elapsed_s"] + start["elapsed_s"]) / 3600, abs=1e-3)
 
 

@@ -275,18 +275,19 @@ def _seen(stub: Any, token: str) -> tuple[int, int, int]:
 
 
 def test_a_token_learns_nothing_of_anothers_words_from_the_cache(isolated: RunningServer) -> None:
-    """Token alpha asks for words; bravo then asks for the same (before: bravo read alpha's words from
-    `cache_hit` and from their 1.5 ms answers). Bravo's words are decoded as if never asked (no answer of
-    alpha's reaches it), and each token's statistics count its own lookups alone."""
+    """Token alpha asks for words (words no lexicon holds: only decoded words are kept); bravo then asks for
+    the same (before: bravo read alpha's words from `cache_hit` and from their 1.5 ms answers). Bravo's words
+    are decoded as if never asked (no answer of alpha's reaches it), and each token's statistics count its
+    own lookups alone."""
     with grpc.insecure_channel(isolated.url) as channel:
         stub = protocol.Stub(channel)
-        _words(stub, "probe", "cat")  # the probe's word, kept before the count of words decoded is read
+        _words(stub, "probe", "vorple")  # the probe's word, kept before the count of words decoded is read
 
         def send() -> tuple[str, str]:
-            _words(stub, "alpha", "secret word")
-            _words(stub, "alpha", "secret word")  # alpha's own answers, kept: two hits
+            _words(stub, "alpha", "zorblat quimvex")
+            _words(stub, "alpha", "zorblat quimvex")  # alpha's own answers, kept: two hits
             decoded, _, _ = _seen(stub, "alpha")
-            _words(stub, "bravo", "secret word")  # as if never asked: decoded again
+            _words(stub, "bravo", "zorblat quimvex")  # as if never asked: decoded again
             assert _seen(stub, "alpha")[0] - decoded == 2, "bravo's words came from alpha's answers"
             return "OK", ""
 

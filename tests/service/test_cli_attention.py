@@ -43,8 +43,9 @@ def texts(count: int = 200) -> list[str]:
 
 
 def words_read(client: Client, text: str) -> list[str]:
-    """The words the server reads from `text` (its WORDS output), asked apart from the command."""
-    request = g2p_request([text])
+    """The words the server reads from `text` (its WORDS output), asked apart from the command and as it asks:
+    with `lexicon` false (a hyphenated word the lexicon holds, co-operate, is read whole only with it)."""
+    request = g2p_request([text], lexicon=False)
     request.outputs.add(name="WORDS")
     return g2p_outputs(client.infer(request))["WORDS"]  # type: ignore[no-any-return]
 

@@ -32,7 +32,7 @@ from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, start_server, stop_server
 from tests.figures import FIGURES as ALL_FIGURES
-from tests.service.queue_helpers import beam_beside_greedy_flood, until
+from tests.service.queue_helpers import FLOOD_QUEUE_WAIT_MS, beam_beside_greedy_flood, until
 
 FIGURES = ALL_FIGURES.setdefault("fair decoding", {})  # printed in the run's summary
 
@@ -253,7 +253,7 @@ def test_a_beam_request_steps_between_every_few_greedy_steps_under_a_greedy_floo
 ) -> None:
     model, graphemes = g2p_graphs
     (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
-    config = BatchingConfig(max_batch_size=16)
+    config = BatchingConfig(max_batch_size=16, max_queue_wait_ms=FLOOD_QUEUE_WAIT_MS)
     scheduler = GenerationScheduler("g2p", config, [model])
     run = beam_beside_greedy_flood(scheduler, graphemes, lambda: len(steps), beam_rows=4)
     beam, mark = asyncio.run(run)

@@ -18,7 +18,7 @@ from service.seq2seq.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, 
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS
-from tests.service.queue_helpers import Recorder, beam_beside_greedy_flood, until
+from tests.service.queue_helpers import FLOOD_QUEUE_WAIT_MS, Recorder, beam_beside_greedy_flood, until
 
 # -- GenerationScheduler on the shipped g2p graphs -------------------------------------------------
 
@@ -159,7 +159,8 @@ def test_a_beam_request_is_not_starved_by_a_batch_that_never_empties(
     model, graphemes = g2p_graphs
     (expected,) = beam_search(model, [graphemes.encode("pronunciation")], 4, 40)
     seen = Recorder()
-    scheduler = GenerationScheduler("g2p", BatchingConfig(max_batch_size=16), [model], observer=seen)
+    config = BatchingConfig(max_batch_size=16, max_queue_wait_ms=FLOOD_QUEUE_WAIT_MS)
+    scheduler = GenerationScheduler("g2p", config, [model], observer=seen)
     beam, mark = asyncio.run(beam_beside_greedy_flood(scheduler, graphemes, lambda: len(seen.batches), beam_rows=1))
     assert beam == expected.output
     assert mark >= 20 and len(seen.batches) > mark  # it was sent into the flood, and the flood stepped beside it
