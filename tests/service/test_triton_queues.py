@@ -236,3 +236,25 @@ def test_a_request_timeout_is_ignored_without_allow_timeout_override(server: Run
         await send(timeout=1000)
 
     assert asyncio.run(_held(server, "bounded", blocker_loops, queue)) == ["0 OK"]
+
+
+def test_batches_are_cut_to_preferred_batch_sizes(server: RunningServer, blocker_loops: int) -> None:
+    client = g.InferenceServerClient(server.url)
+
+    def batches() -> dict[int, int]:
+        stats = client.get_inference_statistics("preferred").model_stats[0].batch_stats
+        return {b.batch_size: b.compute_infer.count for b in stats}
+
+    before: dict[int, int] = {}
+
+    async def queue(send: Send) -> None:
+        before.clear()
+        before.update(batches())  # the blocker's batch is counted once it ends
+        for _ in range(7):
+            await send()
+
+    assert len(asyncio.run(_held(server, "preferred", blocker_loops, queue))) == 7
+    after = batches()
+    ran = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+    # the blocker alone; then 7 queued: 4 go (the largest preferred size they fill), then 2, then the last one
+    assert ran == {1: 2, 4: 1, 2: 1}, ran
