@@ -258,3 +258,15 @@ def test_batches_are_cut_to_preferred_batch_sizes(server: RunningServer, blocker
     ran = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
     # the blocker alone; then 7 queued: 4 go (the largest preferred size they fill), then 2, then the last one
     assert ran == {1: 2, 4: 1, 2: 1}, ran
+
+
+def test_a_high_priority_request_sent_last_is_served_first_and_the_low_ones_all_finish(
+    server: RunningServer, blocker_loops: int
+) -> None:
+    async def queue(send: Send) -> None:
+        for _ in range(4):
+            await send(priority=2)
+        await send(priority=1)
+
+    answered = asyncio.run(_held(server, "ordered", blocker_loops, queue))
+    assert answered == ["4 OK", "0 OK", "1 OK", "2 OK", "3 OK"], answered
