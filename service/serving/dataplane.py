@@ -169,9 +169,10 @@ class DataPlane:
         raw = None
         for key, value in parameters.items():
             if key != "config":
-                raise InvalidArgument(
-                    f"load parameter {quote(key)} is not supported: qkv loads model files from its repository; "
-                    "'config' (a config.json as a string) is the one parameter"
+                raise InvalidArgument(  # Triton's words first, as it answers a `file:` override it cannot use
+                    f"failed to load {quote(name)}, failed to poll from model repository: load parameter "
+                    f"{quote(key)} is not supported: qkv loads model files from its repository; 'config' "
+                    "(a config.json as a string) is the one parameter"
                 )
             try:
                 raw = parse_config(value)  # type: ignore[arg-type]  # bounded in size and depth: no RecursionError

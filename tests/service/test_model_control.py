@@ -248,6 +248,9 @@ def test_load_and_unload_requests_are_checked(explicit: Explicit) -> None:
     assert code == "StatusCode.INVALID_ARGUMENT" and "JSON object" in message
     code, message = status_of(lambda: client.load_model("scale", files={"file:1/model.onnx": b"x"}))
     assert code == "StatusCode.INVALID_ARGUMENT" and "'file:1/model.onnx' is not supported" in message
+    assert message.startswith("failed to load 'scale', failed to poll from model repository: load parameter")
+    code, message = status_of(lambda: client.load_model("scale", config="{}", files={"file:" + "A" * 256: b"a"}))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "failed to poll from model repository" in message  # Triton's
     assert not client.is_model_ready("scale")
 
 
