@@ -36,8 +36,9 @@ CONCURRENCY = (1, 32)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def mixed_texts(count: int = 256) -> list[str]:
-    """Mixed-length English: the repository's own documents, as sentences, paragraphs and runs of paragraphs."""
+def mixed_texts(count: int = 256, long_every: int = 10, joined: int = 3, short_words: int = 20) -> list[str]:
+    """Mixed-length English: the repository's own documents, as sentences (every third text, its first
+    `short_words` words), paragraphs, and every `long_every`-th text `joined` paragraphs run together."""
     paragraphs = []
     for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
         for block in doc.read_text(encoding="utf-8").split("\n\n"):
@@ -47,10 +48,10 @@ def mixed_texts(count: int = 256) -> list[str]:
     texts = []
     for i in range(count):
         p = paragraphs[(i * 7) % len(paragraphs)]
-        if i % 10 == 9:
-            texts.append(" ".join(paragraphs[(i + k * 13) % len(paragraphs)] for k in range(3)))
+        if i % long_every == long_every - 1:
+            texts.append(" ".join(paragraphs[(i + k * 13) % len(paragraphs)] for k in range(joined)))
         elif i % 3 == 0:
-            texts.append(" ".join(p.split()[:20]))
+            texts.append(" ".join(p.split()[:short_words]))
         else:
             texts.append(p)
     return texts

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from service.bench.text_models import mixed_texts
 
 # What sentence-transformers keeps beside the weights: copied next to the export (optimum writes the graph,
 # the tokenizer and config.json; pooling, normalization and max_seq_length live in these).
@@ -114,22 +113,6 @@ def repository(tmp: Path, models: dict[str, Path]) -> Path:
 
 
 def real_texts(count: int, long_every: int = 10) -> list[str]:
-    """Mixed-length English from the repository's own documents: sentences, paragraphs, and every
-    `long_every`-th text several paragraphs joined (well over 256 tokens)."""
-    docs = [p for p in sorted((ROOT / "docs").glob("*.md"))] + [ROOT / "README.md"]
-    paragraphs = []
-    for doc in docs:
-        for block in doc.read_text().split("\n\n"):
-            words = re.sub(r"[`|#*\[\]()]", " ", block).split()
-            if len(words) >= 3:
-                paragraphs.append(" ".join(words))
-    texts = []
-    for i in range(count):
-        p = paragraphs[(i * 7) % len(paragraphs)]
-        if i % long_every == long_every - 1:
-            texts.append(" ".join(paragraphs[(i + k * 13) % len(paragraphs)] for k in range(6)))
-        elif i % 3 == 0:
-            texts.append(" ".join(p.split()[:12]))
-        else:
-            texts.append(p)
-    return texts
+    """Mixed-length English from the repository's own documents (the bench's texts): sentences, paragraphs,
+    and every `long_every`-th text six paragraphs joined (well over 256 tokens)."""
+    return mixed_texts(count, long_every, joined=6, short_words=12)
