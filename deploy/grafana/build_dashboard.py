@@ -327,6 +327,36 @@ def _layout() -> list[tuple[Panel, int, int]]:
             24,
             8,
         ),
+        (_row("Capacity (the autoscaling signal)"), 24, 1),
+        (
+            _timeseries(
+                "Utilization",
+                "Work admitted per second over the work the batchers can do per second (qkv_utilization): "
+                "per model, and per server the models' sum (all models selected: qkv_server_utilization, "
+                "which the HPA and KEDA scale on at 0.7). Above 1 a queue grows.",
+                "percentunit",
+                _targets(
+                    (f"max by (model) (qkv_utilization{{{SEL}}})", "{{model}}"),
+                    (f"sum by (instance) (qkv_utilization{{{SEL}}})", "server {{instance}}"),
+                ),
+            ),
+            12,
+            8,
+        ),
+        (
+            _timeseries(
+                "Predicted queue wait",
+                "The wait each model predicts for a request arriving now (qkv_predicted_queue_wait_seconds), "
+                "and the longest per server.",
+                "s",
+                _targets(
+                    (f"max by (model) (qkv_predicted_queue_wait_seconds{{{SEL}}})", "{{model}}"),
+                    (f"max by (instance) (qkv_predicted_queue_wait_seconds{{{SEL}}})", "server {{instance}}"),
+                ),
+            ),
+            12,
+            8,
+        ),
         (_row("Sequences"), 24, 1),
         (
             _timeseries(

@@ -1,7 +1,8 @@
-"""Validate the Prometheus-operator custom resources in rendered manifests.
+"""Validate the custom resources in rendered manifests: the Prometheus operator's and KEDA's.
 
 kubernetes-validate only warns about custom resources, so ServiceMonitor, PodMonitor and
-PrometheusRule are checked against the typed models of ``cloudcoil-models-prometheus-operator``.
+PrometheusRule are checked against the typed models of ``cloudcoil-models-prometheus-operator``, and
+KEDA's ScaledObject against ``cloudcoil-models-keda``.
 Those models drop unknown keys silently, so each document is also compared with its
 validated round trip: a key that did not survive is reported as an unknown field.
 
@@ -19,15 +20,24 @@ import yaml
 
 __all__ = ["check_documents", "unknown_fields"]
 
-API_VERSION = "monitoring.coreos.com/v1"
+API_VERSIONS = ("monitoring.coreos.com/v1", "keda.sh/v1alpha1")
 
 
-def _models() -> dict[str, Any]:
+def _models() -> dict[tuple[str, str], Any]:
     try:
+        from cloudcoil.models.keda import v1alpha1
         from cloudcoil.models.prometheus_operator import v1
     except ImportError as e:  # pragma: no cover - reported to the user
-        raise SystemExit(f"crdcheck needs cloudcoil-models-prometheus-operator: pip install it ({e})") from e
-    return {"ServiceMonitor": v1.ServiceMonitor, "PodMonitor": v1.PodMonitor, "PrometheusRule": v1.PrometheusRule}
+        raise SystemExit(
+            f"crdcheck needs cloudcoil-models-prometheus-operator and cloudcoil-models-keda: pip install them ({e})"
+        ) from e
+    monitoring, keda = API_VERSIONS
+    return {
+        (monitoring, "ServiceMonitor"): v1.ServiceMonitor,
+        (monitoring, "PodMonitor"): v1.PodMonitor,
+        (monitoring, "PrometheusRule"): v1.PrometheusRule,
+        (keda, "ScaledObject"): v1alpha1.ScaledObject,
+    }
 
 
 def unknown_fields(given: Any, kept: Any, path: str = "$") -> Iterator[str]:
@@ -44,14 +54,14 @@ def unknown_fields(given: Any, kept: Any, path: str = "$") -> Iterator[str]:
 
 
 def check_documents(docs: list[Any]) -> list[tuple[str, list[str]]]:
-    """(kind/name, problems) for every monitoring.coreos.com/v1 document."""
+    """(kind/name, problems) for every document of one of API_VERSIONS."""
     models = _models()
     results: list[tuple[str, list[str]]] = []
     for doc in docs:
-        if not isinstance(doc, dict) or doc.get("apiVersion") != API_VERSION:
+        if not isinstance(doc, dict) or doc.get("apiVersion") not in API_VERSIONS:
             continue
         name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
-        model = models.get(doc.get("kind", ""))
+        model = models.get((doc["apiVersion"], doc.get("kind", "")))
         if model is None:
             results.append((name, [f"no model for kind {doc.get('kind')!r}"]))
             continue
@@ -72,7 +82,7 @@ def main(paths: list[str]) -> int:
             docs = list(yaml.safe_load_all(f))
         results = check_documents(docs)
         if not results:
-            print(f"FAIL {path}: no {API_VERSION} resources found")
+            print(f"FAIL {path}: no {' or '.join(API_VERSIONS)} resources found")
             rc = 1
         for name, problems in results:
             print("FAIL" if problems else "ok", name, *problems)

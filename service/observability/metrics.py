@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -83,6 +84,7 @@ class _Off:
     def dec(self, *_: object) -> None: ...
     def set(self, *_: object) -> None: ...
     def observe(self, *_: object) -> None: ...
+    def set_function(self, *_: object) -> None: ...
 
 
 class Metrics:
@@ -211,13 +213,36 @@ class Metrics:
             "qkv_truncated_requests", "Text model requests with an input cut to the model's max_length",
             ["model", "version"], registry=r,
         )  # fmt: skip
+        # The capacity signal (docs/operations.md, "Autoscaling"): read from each model's admission at a scrape.
+        self.predicted_wait = Gauge(
+            "qkv_predicted_queue_wait_seconds", "The queue wait the model predicts for a request arriving now",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
+        self.utilization = Gauge(
+            "qkv_utilization", "Work admitted per second / work the model's batcher can do per second",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
+        self._capacity: dict[tuple[str, str], tuple[Callable[[], float], Callable[[], float]]] = {}
+        self.server_utilization = Gauge(
+            "qkv_server_utilization",
+            "The sum of the models' utilization: the share of the server's compute its admitted work needs",
+            registry=r,
+        )
+        self.server_predicted_wait = Gauge(
+            "qkv_server_predicted_queue_wait_seconds", "The longest queue wait any model predicts", registry=r
+        )
+        self.server_utilization.set_function(lambda: sum(u() for _, u in list(self._capacity.values())))
+        self.server_predicted_wait.set_function(
+            lambda: max((w() for w, _ in list(self._capacity.values())), default=0.0)
+        )
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
             self.dropped, self.failed_computations, self.batching_setting, self.ensemble_steps,
             self.ensemble_step_duration, self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
-            self.request_tokens, self.tokenize_duration, self.truncated_requests,
+            self.request_tokens, self.tokenize_duration, self.truncated_requests, self.predicted_wait,
+            self.utilization,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -243,6 +268,15 @@ class Metrics:
         """Drop every series of one model version (unloaded): series never outlive what they describe."""
         for metric in self._per_version:
             metric.remove_by_labels({"model": model, "version": version})
+        self._capacity.pop((model, version), None)
+
+    def capacity(
+        self, model: str, version: str, wait_seconds: Callable[[], float], utilization: Callable[[], float]
+    ) -> None:
+        """Read one version's capacity signal at every scrape, and count it in the server's."""
+        self._capacity[(model, version)] = (wait_seconds, utilization)
+        self.predicted_wait.labels(model, version).set_function(wait_seconds)
+        self.utilization.labels(model, version).set_function(utilization)
 
 
 class CacheMetrics:
@@ -325,6 +359,9 @@ class ModelObserver:
 
     def dropped(self, reason: str) -> None:
         self._dropped[reason].inc()
+
+    def capacity(self, wait_seconds: Callable[[], float], utilization: Callable[[], float]) -> None:
+        self._metrics.capacity(*self._labels, wait_seconds, utilization)
 
     def computation_failed(self, scope: str) -> None:
         self._metrics.failed_computations.labels(*self._labels, scope).inc()

@@ -11,8 +11,9 @@ is dropped before it is computed, and counted.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,7 +23,7 @@ from service.scheduling.config import BatchingConfig
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace
 
-__all__ = ["Admission", "BatchObserver", "NullObserver", "Queued", "WorkItem", "why_gone"]
+__all__ = ["DEMAND_HORIZON_S", "Admission", "BatchObserver", "Demand", "NullObserver", "Queued", "WorkItem", "why_gone"]
 
 
 @dataclass(eq=False)
@@ -53,6 +54,11 @@ class BatchObserver(Protocol):
     def waited(self, seconds: float) -> None: ...
     def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
     def dropped(self, reason: str) -> None: ...
+    def capacity(self, wait_seconds: Callable[[], float], utilization: Callable[[], float]) -> None:
+        """The model's capacity signal, read when asked (a metrics scrape): its predicted queue wait, and the
+        work admitted per second over the work its batcher can do per second."""
+        ...
+
     def computation_failed(self, scope: str) -> None:
         """A run failed in the runtime: a "batch" of several requests (retried in parts), or a "request" alone
         (answered with the error)."""
@@ -64,6 +70,7 @@ class NullObserver:
     def waited(self, seconds: float) -> None: ...
     def batch(self, rows: int, padded_tokens: int, real_tokens: int, compute_seconds: float) -> None: ...
     def dropped(self, reason: str) -> None: ...
+    def capacity(self, wait_seconds: Callable[[], float], utilization: Callable[[], float]) -> None: ...
     def computation_failed(self, scope: str) -> None: ...
 
 
@@ -76,6 +83,34 @@ class Queued:
         self.requests = self.tokens = 0
 
 
+DEMAND_HORIZON_S = 20.0  # seconds of admitted work the demand estimate averages over
+
+
+class Demand:
+    """Work admitted per second, smoothed: admitted tokens summed with weights that halve every
+    `horizon` x ln 2 seconds, over `horizon`. A steady arrival of r tokens/s reads r once a few horizons
+    have passed; a load step shows within one horizon. `clock` is injected so tests decide time."""
+
+    def __init__(self, horizon: float = DEMAND_HORIZON_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.horizon, self.clock = horizon, clock
+        self.weighted = 0.0  # admitted tokens, each decayed by exp(-age / horizon)
+        self.at = clock()
+
+    def add(self, tokens: int) -> None:
+        self._decay()
+        self.weighted += tokens
+
+    def per_second(self) -> float:
+        self._decay()
+        return self.weighted / self.horizon
+
+    def _decay(self) -> None:
+        now = self.clock()
+        if now > self.at:
+            self.weighted *= math.exp(-(now - self.at) / self.horizon)
+            self.at = now
+
+
 class Admission:
     """Bounded queue accounting and a throughput estimate for deadline-aware admission.
 
@@ -86,16 +121,25 @@ class Admission:
     others hold, so that one class's backlog never refuses another's first request.
     """
 
-    def __init__(self, name: str, config: BatchingConfig, instances: int, kinds: Sequence[str] = ("",)) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: BatchingConfig,
+        instances: int,
+        kinds: Sequence[str] = ("",),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name, self.config, self.instances = name, config, instances
         self.queued_requests = 0
         self.queued_tokens = 0
         self.by_kind = {kind: Queued() for kind in kinds}
         self.tokens_per_second = 0.0  # all instances together, smoothed; 0 until measured
+        self.demand = Demand(clock=clock)  # tokens admitted per second
 
     def admit(self, tokens: int, deadline: float | None, kind: str = "") -> None:
         """Reserve queue room for `tokens` of class `kind`, or raise the refusal."""
         self.check(tokens, deadline, kind)
+        self.demand.add(tokens)
         self.queued_requests += 1
         self.queued_tokens += tokens
         q = self.by_kind[kind]
@@ -167,6 +211,16 @@ class Admission:
         fair share of the others'); None until throughput is measured."""
         rate = self.tokens_per_second
         return self.ahead(0, kind) / rate * 1e3 if rate else None
+
+    def utilization(self) -> float:
+        """Work admitted per second over the work the batcher can do per second (its measured throughput):
+        1 is a model kept just busy, above 1 a queue that grows. 0 until throughput is measured."""
+        rate = self.tokens_per_second
+        return self.demand.per_second() / rate if rate else 0.0
+
+    def wait_seconds(self) -> float:
+        """The predicted queue wait of a request arriving now, in any class: the longest; 0 until measured."""
+        return max((self.predicted_queueing_ms(k) or 0.0) for k in self.by_kind) / 1e3
 
     def ahead(self, tokens: int, kind: str) -> int:
         """The queued tokens served before the last of `tokens` of class `kind` would be: its class's,

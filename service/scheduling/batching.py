@@ -110,6 +110,7 @@ class DynamicBatcher:
         self.lone_inline_max_tokens = 0  # such a request this small runs on the event loop's thread
         self.observer = observer or NullObserver()
         self.admission = Admission(name, config, self.instances)
+        self.observer.capacity(self.admission.wait_seconds, self.admission.utilization)
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
         first = priority.reserve(self.instances)

@@ -121,6 +121,7 @@ class GenerationScheduler:
         self.name, self.config, self.models = name, config, list(models)
         self.observer = observer or NullObserver()
         self.admission = Admission(name, config, len(self.models), kinds=(GREEDY, BEAM))
+        self.observer.capacity(self.admission.wait_seconds, self.admission.utilization)
         self.queue: list[WorkItem] = []  # requests not yet admitted into a batch
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []

@@ -25,7 +25,8 @@ PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DOCKER = DEPLOY / "docker"
 COMPOSE = ROOT / "docker-compose.yml"
-OVERLAYS = ("cpu", "gpu", "cpu-tracing", "cpu-poll")
+OVERLAYS = ("cpu", "gpu", "cpu-tracing", "cpu-poll", "cpu-keda", "gpu-keda")
+KEDA_OVERLAYS = ("cpu-keda", "gpu-keda")  # a ScaledObject in place of the HorizontalPodAutoscaler
 
 # This test run's id: what it makes on a Docker engine is named after it (containers labelled
 # org.qkv.test.run=ID, compose projects qkvtIDp<pid>, images qkv:testIDp<pid>), so that its cleanup
@@ -59,6 +60,8 @@ METRICS = {
     "qkv_live_sequences": "gauge",
     "qkv_sequence_state_bytes": "gauge",
     "qkv_expired_sequences": "counter",
+    "qkv_predicted_queue_wait_seconds": "gauge",
+    "qkv_utilization": "gauge",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}

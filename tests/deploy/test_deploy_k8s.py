@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy_helpers import K8S, OVERLAYS, PROMETHEUS, load_yaml, load_yaml_all, module, ok, run, tool
+from deploy_helpers import K8S, KEDA_OVERLAYS, OVERLAYS, PROMETHEUS, load_yaml, load_yaml_all, module, ok, run, tool
 
 Rendered = dict[str, tuple[Path, list[dict[str, Any]]]]
 PROBE_TIMING = {"periodSeconds", "timeoutSeconds", "failureThreshold", "initialDelaySeconds", "successThreshold"}
@@ -53,7 +53,8 @@ def test_monitoring_resources_round_trip_through_operator_models(rendered: Rende
     path, _ = rendered[overlay]
     proc = run([sys.executable, str(K8S / "crdcheck.py"), str(path)])
     ok(proc)
-    assert proc.stdout.split() == ["ok", "PrometheusRule/qkv", "ok", "ServiceMonitor/qkv"], proc.stdout
+    keda = ["ok", "ScaledObject/qkv"] if overlay in KEDA_OVERLAYS else []  # kustomize's order: by kind
+    assert proc.stdout.split() == [*keda, "ok", "PrometheusRule/qkv", "ok", "ServiceMonitor/qkv"], proc.stdout
 
 
 def test_crdcheck_catches_unknown_fields_and_wrong_types(rendered: Rendered, tmp_path: Path) -> None:
@@ -86,7 +87,7 @@ def test_overlay_has_every_resource(rendered: Rendered, overlay: str) -> None:
             "Deployment",
             "Service",
             "Service",
-            "HorizontalPodAutoscaler",
+            "ScaledObject" if overlay in KEDA_OVERLAYS else "HorizontalPodAutoscaler",
             "PodDisruptionBudget",
             "NetworkPolicy",
             "ServiceMonitor",
@@ -132,7 +133,17 @@ def test_settings_come_from_the_configmap(rendered: Rendered, overlay: str) -> N
     # The image's repository, or (cpu-poll) the shared volume polled for new versions
     assert cm["data"]["QKV_MODEL_REPOSITORY"] == ("/srv/models" if overlay == "cpu-poll" else "/opt/qkv/models")
     assert int(cm["data"]["QKV_MAX_CONNECTION_AGE"]) > 0  # clients reconnect and spread over pods
-    assert cm["data"]["QKV_DEVICE"] == {"cpu": "cpu", "gpu": "cuda", "cpu-tracing": "cpu", "cpu-poll": "cpu"}[overlay]
+    assert (
+        cm["data"]["QKV_DEVICE"]
+        == {
+            "cpu": "cpu",
+            "gpu": "cuda",
+            "cpu-tracing": "cpu",
+            "cpu-poll": "cpu",
+            "cpu-keda": "cpu",
+            "gpu-keda": "cuda",
+        }[overlay]
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -189,16 +200,52 @@ def test_services_select_the_pods(rendered: Rendered, overlay: str) -> None:
     assert [p["port"] for p in headless["spec"]["ports"]] == [8001]
 
 
+CAPACITY = "qkv_server_utilization"  # the capacity signal (docs/operations.md, "Autoscaling")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_hpa_scales_the_deployment_on_cpu(rendered: Rendered, overlay: str) -> None:
+def test_autoscaling_targets_the_deployment_on_the_capacity_signal(rendered: Rendered, overlay: str) -> None:
     docs = rendered[overlay][1]
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": one(docs, "Deployment")["metadata"]["name"]}
+    if overlay in KEDA_OVERLAYS:
+        scaled = one(docs, "ScaledObject")
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["spec"]["scaleTargetRef"] == deployment
+        assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+        [trigger] = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert (
+            trigger["metadata"]["query"].startswith(f"sum({CAPACITY}{{") and trigger["metadata"]["threshold"] == "0.7"
+        )
+        return
     hpa = one(docs, "HorizontalPodAutoscaler")
-    assert hpa["apiVersion"] == "autoscaling/v2"
-    ref = hpa["spec"]["scaleTargetRef"]
-    assert ref == {"apiVersion": "apps/v1", "kind": "Deployment", "name": one(docs, "Deployment")["metadata"]["name"]}
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["spec"]["scaleTargetRef"] == deployment
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
-    cpu = [m for m in hpa["spec"]["metrics"] if m["type"] == "Resource" and m["resource"]["name"] == "cpu"]
-    assert cpu and cpu[0]["resource"]["target"]["type"] == "Utilization"
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {"metric": {"name": CAPACITY}, "target": {"type": "AverageValue", "averageValue": "700m"}},
+        }
+    ]
+
+
+def test_keda_and_the_hpa_scale_alike(rendered: Rendered) -> None:
+    """The two variants are one rule: the same bounds and the same scaling behaviour, overlay by overlay."""
+    for hpa_overlay, keda_overlay in (("cpu", "cpu-keda"), ("gpu", "gpu-keda")):
+        hpa = one(rendered[hpa_overlay][1], "HorizontalPodAutoscaler")["spec"]
+        scaled = one(rendered[keda_overlay][1], "ScaledObject")["spec"]
+        assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
+        assert scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["behavior"]
+
+
+def test_prometheus_adapter_serves_the_capacity_signal_as_a_pods_metric() -> None:
+    import promql_parser
+
+    values = load_yaml(K8S / "prometheus-adapter.yaml")
+    [rule] = values["rules"]["custom"]
+    assert rule["name"]["as"] == CAPACITY and rule["seriesQuery"].startswith(CAPACITY + "{")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    query = rule["metricsQuery"].replace("<<.GroupBy>>", "pod").replace("<<.Series>>", CAPACITY)
+    promql_parser.parse(query.replace("<<.LabelMatchers>>", 'namespace="qkv"'))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
