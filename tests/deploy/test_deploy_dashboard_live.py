@@ -68,6 +68,8 @@ def exporter() -> Iterator[int]:
     step_time = Histogram(
         "qkv_ensemble_step_duration_seconds", "step", ["model", "version", "step", "step_model"], registry=reg
     )
+    utilization = Gauge("qkv_utilization", "utilization", ["model", "version"], registry=reg)
+    wait = Gauge("qkv_predicted_queue_wait_seconds", "predicted wait", ["model", "version"], registry=reg)
     for model in ("g2p", "g2p_encoder"):
         info.labels(model, "1", "CPUExecutionProvider").set(1)
 
@@ -89,6 +91,8 @@ def exporter() -> Iterator[int]:
                 tokens.labels(model, "1", "output").inc(50)
                 inflight.labels(model, "1").set(rnd.randint(0, 4))
                 depth.labels(model, "1").set(rnd.randint(0, 8))
+                utilization.labels(model, "1").set(rnd.uniform(0, 1.2))
+                wait.labels(model, "1").set(rnd.uniform(0, 0.2))
                 http.labels(model, "infer", "200").inc(3)
                 steps.labels("pipeline", "1", "0", model, "OK").inc(2)
                 step_time.labels("pipeline", "1", "0", model).observe(rnd.uniform(0.001, 0.05))
