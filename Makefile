@@ -7,15 +7,20 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check
 # project itself with --no-deps. `make lock` writes the locks from pyproject.toml: docs/design.md, "Dependencies".
 LOCKED := $(PIP) --require-hashes
 
-.PHONY: serve test test-loaded lint tools train export evaluate bench lock triton-examples
+.PHONY: serve test test-slow test-loaded lint tools train export evaluate bench lock triton-examples
 
 serve: $(VENV)/.installed
 	$(BIN)/qkv serve
 
 # One pytest-xdist worker a core, a test file each (module fixtures start once); tests run in a random order
 # (pytest-randomly: the seed is printed; `make test PYTEST_ARGS=--randomly-seed=N` repeats an order).
+# `make test` leaves out the suites marked slow; `make test-slow` runs those alone.
+PYTEST := $(BIN)/python -m pytest -n auto --dist loadfile --durations=15
 test: $(VENV)/.dev tools
-	tests/deploy/docker_engine.sh $(BIN)/python -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
+	tests/deploy/docker_engine.sh $(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.dev tools
+	tests/deploy/docker_engine.sh $(PYTEST) -m slow $(PYTEST_ARGS)
 
 # The whole suite while stress-ng keeps every core busy: a test that depends on the machine's speed fails here.
 test-loaded:

@@ -20,6 +20,8 @@ from service.seq2seq.generation import greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq
 from tests.conftest import start_server
 
+pytestmark = pytest.mark.slow  # trains and exports: `make test-slow`
+
 
 def tiny(out: Path, epochs: int) -> TrainConfig:
     """A model small enough to train for a couple of epochs in seconds."""

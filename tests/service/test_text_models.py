@@ -20,7 +20,10 @@ import pytest
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.service.text_models import minilm_export, minilm_source, real_texts, repository
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [
+    pytest.mark.slow,  # exports all-MiniLM-L6-v2 and runs sentence-transformers beside it: `make test-slow`
+    pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning"),
+]
 
 
 @pytest.fixture(scope="module")
