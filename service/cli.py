@@ -107,7 +107,7 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import grpc
 
-    from service.client import Client
+    from service.tools.client import Client
 
     creds = grpc.ssl_channel_credentials(args.tls_ca.read_bytes()) if args.tls_ca else None
     # A tool fails at once where nothing listens, naming the address, rather than retrying to its deadline.
@@ -116,7 +116,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def rpc_problem(error: Any, url: str) -> str:
     """A failed call as the tools say it: the status and why, the address named where none was reached."""
-    from service.client import unreachable
+    from service.tools.client import unreachable
 
     return f"{error.code().name}: {unreachable(error, url) or error.details()}"
 
@@ -155,7 +155,7 @@ def _infer(argv: list[str]) -> int:
 def _infer_words(args: argparse.Namespace) -> int:
     import grpc
 
-    from service.client import g2p_outputs, g2p_request, new_traceparent, trace_id
+    from service.tools.client import g2p_outputs, g2p_request, new_traceparent, trace_id
 
     traceparent = args.traceparent or new_traceparent()
     # On stderr, so the output stays the phonemes: the id to find the call by in a tracing backend.
@@ -187,8 +187,9 @@ def _infer_tensors(args: argparse.Namespace) -> int:
     """`--input` tensors checked against the model's metadata, sent, and every output printed."""
     import grpc
 
-    from service import protocol, tensor_io
-    from service.client import new_traceparent, trace_id
+    from service import protocol
+    from service.tools import tensor_io
+    from service.tools.client import new_traceparent, trace_id
 
     try:
         given = tensor_io.given_inputs(args.input, args.datatype, args.shape)
@@ -218,7 +219,7 @@ def _infer_tensors(args: argparse.Namespace) -> int:
 def _health(argv: list[str]) -> int:
     import grpc
 
-    from service.client import health_check, unreachable
+    from service.tools.client import health_check, unreachable
 
     parser = argparse.ArgumentParser(prog="qkv health", description="Exit 0 when the server (or --service) SERVES.")
     parser.add_argument("--service", default="", help="a model name, or '' for the whole server")
@@ -238,7 +239,7 @@ def _health(argv: list[str]) -> int:
 
 
 def _attention(argv: list[str]) -> int:
-    from service.attention_plot import main as attention_main
+    from service.tools.attention_plot import main as attention_main
 
     return attention_main(argv, _client_arguments, _client)
 
@@ -254,7 +255,7 @@ def _export_command(name: str, argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from service.bench import main as bench_main
+    from service.tools.bench import main as bench_main
 
     return bench_main(argv)
 

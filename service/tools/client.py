@@ -1,6 +1,6 @@
 """A small Python client for qkv (any v2-protocol server), sync and asyncio, with deadlines.
 
-    from service.client import Client
+    from service.tools.client import Client
     with Client("127.0.0.1:8001") as c:
         print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
 
