@@ -15,38 +15,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.errors import UsageError, in_range
+
 if TYPE_CHECKING:
     from service.config import ServerSettings
 
-__all__ = ["UsageError", "in_range", "main", "readable_file", "rpc_problem"]
-
-
-class UsageError(Exception):
-    """An input a command cannot use, said in one line that names it; `main` prints it and exits 2."""
-
-
-def readable_file(path: Path, what: str) -> Path:
-    """`path` when it is a file this process may read, or a UsageError naming it as `what`."""
-    if not path.exists():
-        raise UsageError(f"{what} not found: {path}")
-    if not path.is_file():
-        raise UsageError(f"{what} is not a file: {path}")
-    if not os.access(path, os.R_OK):
-        raise UsageError(f"{what} is not readable: {path}")
-    return path
-
-
-def in_range(flag: str, value: float, lowest: float, highest: float | None = None) -> None:
-    """A UsageError naming `flag` and its value unless lowest <= value (<= highest)."""
-    if value < lowest or (highest is not None and value > highest):
-        allowed = (
-            f"from {_number(lowest)} to {_number(highest)}" if highest is not None else f"{_number(lowest)} or more"
-        )
-        raise UsageError(f"{flag} {_number(value)}: must be {allowed}")
-
-
-def _number(value: float | None) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+__all__ = ["main", "rpc_problem"]
 
 
 # Optional dependencies -> the extra that brings them (pyproject.toml). A command that meets one missing
@@ -296,8 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m service.cli` runs this file as __main__: go through `service.cli` itself, whose UsageError
-    # is the one the commands raise.
-    from service.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -33,8 +33,8 @@ from typing import Any
 import grpc
 
 from service import protocol
-from service.cli import UsageError, in_range, readable_file
 from service.config import DEFAULT_URL, server_url
+from service.errors import UsageError, in_range, readable_file
 from service.seq2seq.graphs import session_options
 from service.tools import loadgen
 from service.tools.bench.any_model import model_maker, model_shape

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 
 from service import protocol
-from service.cli import UsageError
+from service.errors import UsageError
 from service.models.g2p_text import spoken_words
 from service.models.kinds import normalize_word
 from service.repository.layout import available_versions
