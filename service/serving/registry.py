@@ -40,6 +40,7 @@ from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
 from service.models.warmup_samples import warm_up_with_samples
 from service.observability.metrics import Metrics
+from service.priority import ComputeThreads
 from service.repository.layout import (
     ModelConfig,
     RepositoryError,
@@ -162,6 +163,8 @@ class ModelRegistry:
         changed: Callable[[str, bool], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
         cache: ResponseCache[Any] | None = None,
+        steps: Steps | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         self.root = Path(settings.model_repository)
         self.cache = cache  # a leaving version's kept answers go with it
@@ -178,7 +181,9 @@ class ModelRegistry:
         self._closing = False
         self.started = False  # set once the start's models are loaded
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
-        self.steps: Steps | None = None  # the server's data plane: the ensembles built here run their steps there
+        self.steps = steps  # the server's data plane: the ensembles built here run their steps there
+        # the server's compute threads (their priority, their cores): each version built here runs on them
+        self.compute = compute or ComputeThreads(settings.compute_nice)
 
     # Reads: on the event loop, never waiting.
 
@@ -433,7 +438,7 @@ class ModelRegistry:
     def _build(self, config: ModelConfig) -> Model:
         """On a worker thread: sessions (loaded at compute priority) and warm-up."""
         observer = self.metrics.observer(config.name, config.version)
-        model = build(config, Context(self.providers, observer, self.cache, self.steps))
+        model = build(config, Context(self.providers, observer, self.cache, self.steps, self.compute))
         try:
             model.warm_up()
             warm_up_with_samples(model, config.warmup, config.directory.parent)  # a Triton config's model_warmup
