@@ -13,10 +13,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from service.errors import UsageError, in_range
+from service.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from service.config import ServerSettings
+    pass
 
 __all__ = ["main"]
 
@@ -44,27 +44,7 @@ def _serve(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="qkv serve", description="Serve the model repository over gRPC.")
     add_arguments(parser)
-    settings = from_arguments(parser.parse_args(argv))
-    _check_settings(settings)
-    return serve(settings)
-
-
-def _check_settings(s: ServerSettings) -> None:
-    """What the flags (or their QKV_ variables) say that cannot work, refused before anything binds or loads."""
-    for name, lowest in (("grpc_port", 0), ("http_port", -1), ("metrics_port", -1)):
-        in_range("--" + name.replace("_", "-"), getattr(s, name), lowest, 65535)
-    for name, lowest in (("grace_period", 0), ("max_connection_age", 0), ("max_concurrent_streams", 1)):
-        in_range("--" + name.replace("_", "-"), getattr(s, name), lowest)
-    for name in ("max_message_bytes", "max_send_message_bytes"):  # gRPC takes a message size as a C int
-        in_range("--" + name.replace("_", "-"), getattr(s, name), 1, (1 << 31) - 1)
-    in_range("--compute-nice", s.compute_nice, 0, 19)
-    for name in ("http_timeout", "repository_poll_secs"):
-        if getattr(s, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(s, name):g}: must be above 0 seconds")
-    if not s.model_repository.exists():
-        raise UsageError(f"model repository not found: {s.model_repository}")
-    if not s.model_repository.is_dir():
-        raise UsageError(f"model repository is not a directory: {s.model_repository}")
+    return serve(from_arguments(parser.parse_args(argv)))  # checked by the server (service.config.check)
 
 
 def _export_command(name: str, argv: list[str]) -> int:
@@ -103,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except UsageError as e:
         problem = str(e)
-    except SystemExit as e:
-        if not isinstance(e.code, str):  # argparse's (already printed) and plain exits
-            raise
-        problem = e.code.removeprefix("qkv: ")  # how the server refuses to start: a file or a port it cannot use
+    except ConfigError as e:  # how the server refuses to start: a setting, a file or a port it cannot use
+        problem = str(e)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         if e.filename is None:
             raise

@@ -16,6 +16,7 @@ __all__ = [
     "QUOTE_CHARS",
     "AlreadyExists",
     "Cancelled",
+    "ConfigError",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
@@ -28,6 +29,7 @@ __all__ = [
     "UsageError",
     "clip",
     "in_range",
+    "out_of_range",
     "quote",
     "readable_file",
 ]
@@ -111,6 +113,17 @@ class Internal(ServingError):
 # What a command refuses (service/cli.py, export/): one line naming the input, and exit status 2.
 
 
+class ConfigError(Exception):
+    """A setting the server cannot start with, said in one line that names its key (a flag, an environment
+    variable) and, where the setting names one, the file; raised by the one check of the settings
+    (`service.config.check`) and by what reads the files they name. `qkv serve` prints it and exits 2."""
+
+    def __init__(self, key: str, message: str, file: Path | str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.file = None if file is None else Path(file)
+
+
 class UsageError(Exception):
     """An input a command cannot use, said in one line that names it; `main` prints it and exits 2."""
 
@@ -128,11 +141,17 @@ def readable_file(path: Path, what: str) -> Path:
 
 def in_range(flag: str, value: float, lowest: float, highest: float | None = None) -> None:
     """A UsageError naming `flag` and its value unless lowest <= value (<= highest)."""
-    if value < lowest or (highest is not None and value > highest):
-        allowed = (
-            f"from {_number(lowest)} to {_number(highest)}" if highest is not None else f"{_number(lowest)} or more"
-        )
-        raise UsageError(f"{flag} {_number(value)}: must be {allowed}")
+    problem = out_of_range(flag, value, lowest, highest)
+    if problem:
+        raise UsageError(problem)
+
+
+def out_of_range(flag: str, value: float, lowest: float, highest: float | None = None) -> str:
+    """What is wrong with `flag`'s value, naming both, unless lowest <= value (<= highest): then ""."""
+    if lowest <= value and (highest is None or value <= highest):
+        return ""
+    allowed = f"from {_number(lowest)} to {_number(highest)}" if highest is not None else f"{_number(lowest)} or more"
+    return f"{flag} {_number(value)}: must be {allowed}"
 
 
 def _number(value: float | None) -> str:

@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service import __version__, protocol
-from service.config import ServerSettings
+from service.config import ServerSettings, check
+from service.errors import ConfigError
 from service.frontends import grpc_api, shared_memory
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
@@ -79,15 +80,11 @@ class Server:
 
     def __init__(self, settings: ServerSettings, reuse_port: bool = False) -> None:
         self.settings, self.reuse_port = settings, reuse_port
-        # TLS files and tokens first: a bad one stops the start before any model loads.
+        check(settings)  # every setting, then the TLS files and tokens: a bad one stops the start (ConfigError)
         self._credentials = server_credentials(settings)
-        if not 0 < settings.token_share <= 1:
-            raise SystemExit(f"qkv: --token-share {settings.token_share:g}: give a share in (0, 1]")
-        if settings.isolate_tokens and settings.auth_token_file is None:
-            raise SystemExit("qkv: --isolate-tokens needs --auth-token-file: the tokens are what it isolates")
         self._tokens = BearerTokens(
             bearer_tokens(settings.auth_token_file),
-            bearer_tokens(settings.admin_token_file),
+            bearer_tokens(settings.admin_token_file, "--admin-token-file"),
             settings.isolate_tokens,
             settings.token_share,
         )
@@ -185,13 +182,14 @@ class Server:
                 server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
             )
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
-            raise SystemExit(f"qkv: cannot bind the gRPC port {address}: {e}") from None
+            raise ConfigError("--grpc-port", f"cannot bind the gRPC port {address}: {e}") from None
         if s.metrics_port >= 0:
             metrics_host = s.metrics_host or s.host
             try:
                 self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port, s.http_timeout)
             except OSError as e:
-                raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
+                where = f"{metrics_host}:{s.metrics_port}"
+                raise ConfigError("--metrics-port", f"cannot bind the metrics port {where}: {e}") from None
         if s.http_port >= 0:
             from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 

@@ -28,7 +28,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from service import protocol
-from service.config import ServerSettings
+from service.config import ServerSettings, check
+from service.errors import ConfigError
 from service.tools.bench.collector import Collector
 from service.tools.bench.servers import variant
 from service.tools.client import Client, g2p_request, new_traceparent
@@ -386,7 +387,8 @@ def test_the_spans_of_one_qkv_infer_request_are_printed_without_a_collector(wher
 
 
 def test_spans_go_to_one_place() -> None:
-    with pytest.raises(SystemExit, match="give one of them"):
-        ServerSettings(tracing_exporter="console", tracing_file=Path("spans.jsonl"))
+    with pytest.raises(ConfigError, match="give one of them") as refused:
+        check(ServerSettings(tracing_exporter="console", tracing_file=Path("spans.jsonl")))
+    assert refused.value.key == "--tracing-file"
     assert ServerSettings(tracing_file=Path("spans.jsonl")).traced and ServerSettings(tracing_exporter="console").traced
     assert not ServerSettings().traced

@@ -16,6 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from service.config import ServerSettings
+from service.errors import ConfigError
 from service.server import Server
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse
 from tests.conftest import MODELS
@@ -171,8 +172,9 @@ def test_a_grpc_port_another_server_holds_is_refused_without_reuse_port(reposito
         await first.start()
         try:
             second = Server(_settings(repository, grpc_port=first.grpc_port))
-            with pytest.raises(SystemExit, match=f"cannot bind the gRPC port 127.0.0.1:{first.grpc_port}"):
+            with pytest.raises(ConfigError, match=f"cannot bind the gRPC port 127.0.0.1:{first.grpc_port}") as e:
                 await second.start()
+            assert e.value.key == "--grpc-port"
             await second.drain()
             answer = await asyncio.to_thread(_over_grpc, first.grpc_port)
             np.testing.assert_allclose(answer, await _direct(first), rtol=1e-5, atol=1e-6)
