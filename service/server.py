@@ -35,7 +35,7 @@ from service.priority import ComputeThreads
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
 from service.serving.dataplane import DataPlane
-from service.serving.registry import one_malloc_arena, return_freed_memory
+from service.serving.memory import one_malloc_arena, return_freed_memory
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import re
@@ -50,6 +49,7 @@ from service.repository.layout import (
     load_model,
     model_directories,
 )
+from service.serving.memory import return_freed_memory
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
@@ -64,8 +64,6 @@ __all__ = [
     "Model",
     "ModelRegistry",
     "VersionState",
-    "one_malloc_arena",
-    "return_freed_memory",
 ]
 
 log = logging.getLogger("qkv.registry")
@@ -112,9 +110,6 @@ class ServedModel:
         return [self.versions[v] for v in sorted(self.versions, key=int)]
 
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
 _VERSION_STRING = re.compile(r"\s*[+-]?[0-9]+")  # what C++'s std::stol, which Triton reads it with, accepts
 
 
@@ -130,22 +125,6 @@ def check_version_string(version: str) -> None:
         raise InvalidArgument(
             f"invalid model version specified {quote(version)} , version should be an integral value > 0"
         )
-
-
-def one_malloc_arena() -> None:
-    """Every thread allocates from glibc's main heap, called before the first threads start. Sessions are
-    built on worker threads; in per-thread arenas, what an unloaded version freed could stay resident
-    (unload after unload left 32 MiB of a 70 MiB model in one run of three), while free pages anywhere
-    in the main heap go back to the system with malloc_trim (every unload returned to within 1 MiB).
-    onnxruntime's tensors come from its own arena, so compute threads rarely call malloc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps them otherwise): RSS falls after an unload."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class ModelRegistry:
