@@ -1,3 +1,4 @@
+# Over 500 lines: every v2 REST route and its errors, as grpc_api.py holds gRPC's.
 """The v2 REST protocol on --http-port, beside gRPC on the same event loop (docs/design.md, "HTTP/REST").
 
 One data plane: each handler decodes its request (rest_codec.py) and awaits the `DataPlane` the gRPC

@@ -1,3 +1,4 @@
+# Over 500 lines: the tensor and g2p kinds and their shared checks, until each kind is a package.
 """The two model kinds, protocol-free: numpy arrays in, numpy arrays out, through a batcher.
 
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and

@@ -1,3 +1,4 @@
+# Over 500 lines: all of the OpenTelemetry binding, the one module importing opentelemetry.
 """OpenTelemetry traces of inference requests: where each request's time went, across services.
 
 Imported only when tracing is on (`--tracing`, `--trace-sample-ratio`, `--tracing-exporter console`

@@ -1,3 +1,4 @@
+# Over 500 lines: Triton's sequence batcher whole: its invariants (ids, state, reaper) span all of it.
 """Sequence batching for stateful models, after Triton's sequence batcher.
 
 A client sends the requests of a sequence under one correlation id (an integer or a string), the first

@@ -1,3 +1,4 @@
+# Over 500 lines: one bench section whole (text through g2p): its corpus, runs and tables.
 """`qkv bench --text`: g2p on English text as people write it, with the response cache on and off.
 
 Real traffic (a text-to-speech front end) is text, where a few hundred words make up half of all
