@@ -7,7 +7,9 @@ import asyncio
 import importlib.util
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,10 +45,10 @@ def _settings(repository: Path, nice: int = 0, grpc_port: int = 0) -> ServerSett
     )
 
 
-def _tensors(module: object, binary: bool) -> list[object]:
+def _tensors(module: Any, binary: bool) -> list[Any]:
     inputs = []
     for name, array in (("input_ids", IDS), ("attention_mask", np.ones_like(IDS))):
-        t = module.InferInput(name, list(array.shape), "INT64")  # type: ignore[attr-defined]
+        t = module.InferInput(name, list(array.shape), "INT64")
         if binary:
             t.set_data_from_numpy(array)
         else:
@@ -55,20 +57,17 @@ def _tensors(module: object, binary: bool) -> list[object]:
     return inputs
 
 
-def _over_grpc(port: int) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+def _over(module: Any, binary: bool, port: int) -> np.ndarray:
+    """The answer through a tritonclient (grpc or http) to the server on `port`."""
+    client = module.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        return client.infer(MODEL, _tensors(grpcclient, True)).as_numpy("last_hidden_state")  # type: ignore[arg-type]
+        return client.infer(MODEL, _tensors(module, binary)).as_numpy("last_hidden_state")
     finally:
         client.close()
 
 
-def _over_http(port: int) -> np.ndarray:
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-    try:
-        return client.infer(MODEL, _tensors(httpclient, False)).as_numpy("last_hidden_state")  # type: ignore[arg-type]
-    finally:
-        client.close()
+_over_grpc = partial(_over, grpcclient, True)
+_over_http = partial(_over, httpclient, False)  # JSON tensors: REST's own decoding
 
 
 async def _direct(server: Server) -> np.ndarray:
