@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
-from service.cli import UsageError, readable_file
+from service.errors import UsageError, readable_file
 from service.seq2seq.graphs import step_arrays
 from service.seq2seq.vocab import Vocabulary
 

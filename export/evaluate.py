@@ -14,7 +14,7 @@ from typing import Any
 
 from export import data
 from export.scoring import score
-from service.cli import UsageError, in_range
+from service.errors import UsageError, in_range
 from service.repository.layout import RepositoryError, load_model_config
 from service.seq2seq.generation import StepModel, beam_search, greedy_decode
 from service.seq2seq.graphs import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options

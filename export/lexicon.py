@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.models.lexicon import LEXICON_FILE
 from service.repository.layout import model_cards
 

@@ -35,7 +35,7 @@ from export.lexicon import build_lines, card_entry, write_lexicon
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
-from service.cli import UsageError, in_range, readable_file
+from service.errors import UsageError, in_range, readable_file
 from service.models.g2p_text import RULES as TEXT_RULES
 from service.models.lexicon import LEXICON_FILE
 from service.repository.layout import available_versions, model_cards

@@ -43,7 +43,7 @@ from export import data
 from export.checkpoint import TorchStepModel, read_checkpoint
 from export.model import TransformerConfig, make_model
 from export.scoring import score
-from service.cli import UsageError, in_range, readable_file
+from service.errors import UsageError, in_range, readable_file
 from service.seq2seq.generation import greedy_decode
 
 __all__ = ["TrainConfig", "check", "main", "train"]

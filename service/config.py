@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_URL", "ServerSettings", "add_arguments", "from_arguments", "server_url"]
+from service.errors import ConfigError, out_of_range
+
+__all__ = ["DEFAULT_URL", "ServerSettings", "add_arguments", "check", "from_arguments", "server_url"]
 
 DEFAULT_URL = "127.0.0.1:8001"  # where the client tools look for a server when told nowhere else
 
@@ -132,14 +134,6 @@ class ServerSettings:
     )
     tracing_file: Path | None = _setting(None, "write spans to this file, one JSON line a span (turns tracing on)")
 
-    def __post_init__(self) -> None:
-        if self.trace_sample_ratio > 1 or (self.trace_sample_ratio < 0 and self.trace_sample_ratio != -1):
-            raise SystemExit(f"qkv: --trace-sample-ratio {self.trace_sample_ratio:g}: give a share in [0, 1]")
-        if self.tracing_file is not None and self.tracing_exporter != "otlp":
-            raise SystemExit(f"qkv: --tracing-file and --tracing-exporter {self.tracing_exporter}: give one of them")
-        if self.cache_size < 0:
-            raise SystemExit(f"qkv: --cache-size {self.cache_size}: give a number of bytes >= 0 (0: no cache)")
-
     @property
     def traced(self) -> bool:
         """Whether requests are traced: --tracing, a sampling ratio given, or spans sent anywhere but OTLP."""
@@ -156,6 +150,49 @@ class ServerSettings:
             f"{f.name}={'<set>' if f.name in secret and getattr(self, f.name) else getattr(self, f.name)}"
             for f in fields(self)
         )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check(s: ServerSettings) -> None:
+    """The one check of the server's settings, before anything binds, reads or loads: each setting that
+    cannot work is a ConfigError naming its flag (and the file, for a file setting). The files the settings
+    name are read by what uses them (TLS, tokens, tracing), which refuse them the same way."""
+
+    def refuse(name: str, message: str, file: Path | None = None) -> None:
+        raise ConfigError(_flag(name), message, file)
+
+    for name, lowest in (("grpc_port", 0), ("http_port", -1), ("metrics_port", -1)):
+        if problem := out_of_range(_flag(name), getattr(s, name), lowest, 65535):
+            refuse(name, problem)
+    for name, lowest in (("grace_period", 0), ("max_connection_age", 0), ("max_concurrent_streams", 1)):
+        if problem := out_of_range(_flag(name), getattr(s, name), lowest):
+            refuse(name, problem)
+    for name in ("max_message_bytes", "max_send_message_bytes"):  # gRPC takes a message size as a C int
+        if problem := out_of_range(_flag(name), getattr(s, name), 1, (1 << 31) - 1):
+            refuse(name, problem)
+    if problem := out_of_range("--compute-nice", s.compute_nice, 0, 19):
+        refuse("compute_nice", problem)
+    for name in ("http_timeout", "repository_poll_secs"):
+        if getattr(s, name) <= 0:
+            refuse(name, f"{_flag(name)} {getattr(s, name):g}: must be above 0 seconds")
+    if s.trace_sample_ratio > 1 or (s.trace_sample_ratio < 0 and s.trace_sample_ratio != -1):
+        refuse("trace_sample_ratio", f"--trace-sample-ratio {s.trace_sample_ratio:g}: give a share in [0, 1]")
+    if s.tracing_file is not None and s.tracing_exporter != "otlp":
+        refuse("tracing_file", f"--tracing-file and --tracing-exporter {s.tracing_exporter}: give one of them")
+    if s.cache_size < 0:
+        refuse("cache_size", f"--cache-size {s.cache_size}: give a number of bytes >= 0 (0: no cache)")
+    if not 0 < s.token_share <= 1:
+        refuse("token_share", f"--token-share {s.token_share:g}: give a share in (0, 1]")
+    if s.isolate_tokens and s.auth_token_file is None:
+        refuse("isolate_tokens", "--isolate-tokens needs --auth-token-file: the tokens are what it isolates")
+    repository = Path(s.model_repository)
+    if not repository.exists():
+        refuse("model_repository", f"model repository not found: {repository}", repository)
+    if not repository.is_dir():
+        refuse("model_repository", f"model repository is not a directory: {repository}", repository)
 
 
 def _parse_bool(value: str) -> bool:
@@ -235,16 +272,17 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
     values: dict[str, Any] = {}
     for f in fields(ServerSettings):
         given = getattr(args, f.name, None)
-        env = environ.get("QKV_" + f.name.upper())
+        variable = "QKV_" + f.name.upper()
+        env = environ.get(variable)
         if given is not None:
             values[f.name] = tuple(given) if isinstance(given, list) else given
         elif env is not None:
             try:
                 value = _convert(str(f.type), env)
             except ValueError:
-                raise SystemExit(f"QKV_{f.name.upper()}={env!r}: not a valid {f.type} value") from None
+                raise ConfigError(variable, f"{variable}={env!r}: not a valid {f.type} value") from None
             choices = f.metadata.get("choices")
             if choices and value not in choices:
-                raise SystemExit(f"QKV_{f.name.upper()}={env!r}: choose from {', '.join(choices)}")
+                raise ConfigError(variable, f"{variable}={env!r}: choose from {', '.join(choices)}")
             values[f.name] = value
     return ServerSettings(**values)

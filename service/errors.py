@@ -8,11 +8,15 @@ exceeds MAX_MESSAGE_BYTES whatever it holds.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "QUOTE_CHARS",
     "AlreadyExists",
     "Cancelled",
+    "ConfigError",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
@@ -22,8 +26,12 @@ __all__ = [
     "ResourceExhausted",
     "ServingError",
     "Unavailable",
+    "UsageError",
     "clip",
+    "in_range",
+    "out_of_range",
     "quote",
+    "readable_file",
 ]
 
 QUOTE_CHARS = 64  # of a client's string, at most this many characters appear in a message
@@ -100,3 +108,51 @@ class PermissionDenied(ServingError):
 
 class Internal(ServingError):
     code = "INTERNAL"
+
+
+# What a command refuses (service/cli.py, export/): one line naming the input, and exit status 2.
+
+
+class ConfigError(Exception):
+    """A setting the server cannot start with, said in one line that names its key (a flag, an environment
+    variable) and, where the setting names one, the file; raised by the one check of the settings
+    (`service.config.check`) and by what reads the files they name. `qkv serve` prints it and exits 2."""
+
+    def __init__(self, key: str, message: str, file: Path | str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.file = None if file is None else Path(file)
+
+
+class UsageError(Exception):
+    """An input a command cannot use, said in one line that names it; `main` prints it and exits 2."""
+
+
+def readable_file(path: Path, what: str) -> Path:
+    """`path` when it is a file this process may read, or a UsageError naming it as `what`."""
+    if not path.exists():
+        raise UsageError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise UsageError(f"{what} is not a file: {path}")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"{what} is not readable: {path}")
+    return path
+
+
+def in_range(flag: str, value: float, lowest: float, highest: float | None = None) -> None:
+    """A UsageError naming `flag` and its value unless lowest <= value (<= highest)."""
+    problem = out_of_range(flag, value, lowest, highest)
+    if problem:
+        raise UsageError(problem)
+
+
+def out_of_range(flag: str, value: float, lowest: float, highest: float | None = None) -> str:
+    """What is wrong with `flag`'s value, naming both, unless lowest <= value (<= highest): then ""."""
+    if lowest <= value and (highest is None or value <= highest):
+        return ""
+    allowed = f"from {_number(lowest)} to {_number(highest)}" if highest is not None else f"{_number(lowest)} or more"
+    return f"{flag} {_number(value)}: must be {allowed}"
+
+
+def _number(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

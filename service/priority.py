@@ -13,6 +13,9 @@ the other idle (g2p, two instances, c64, nice 10: 0.26-0.28 of a core idle and 9
 pinned, 0.07-0.09 idle and 1,194-1,390).
 Not under a CPU quota smaller than the cores the process may use (a container limited to 2 CPUs
 on a 64-core node): every such container would pin its compute onto the same first cores.
+
+`ComputeThreads` holds one server's choice (its nice, its cores, the slots handed out so far): the server
+owns one and hands it to the kinds it builds, so two servers in one process keep their own.
 """
 
 from __future__ import annotations
@@ -24,27 +27,67 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["configure", "cpu_quota", "dedicated_cores", "lower_this_thread", "reserve", "run_lowered"]
+__all__ = ["ComputeThreads", "cpu_quota", "dedicated_cores"]
 
-_nice = 0
-_cores: list[int] = []  # the cores this process may use, for spreading compute threads
-_slots = 0  # compute slots handed out so far (see `reserve`)
 T = TypeVar("T")
 
 
-def configure(nice: int) -> None:
-    """How much lower (0..19) compute threads run than the thread that serves gRPC."""
-    global _nice, _cores
-    _nice = max(0, min(19, nice))
-    _cores = dedicated_cores()
+class ComputeThreads:
+    """How one server runs its compute threads: `nice` (0..19) lower than the thread that serves gRPC, and,
+    when niced, each on a core of its own among `cores` (default: those this process may use, when it may
+    use them all)."""
 
+    def __init__(self, nice: int = 0, cores: list[int] | None = None) -> None:
+        self.nice = max(0, min(19, nice))
+        self.cores = (dedicated_cores() if self.nice else []) if cores is None else list(cores)
+        self._slots = 0  # compute slots handed out so far (see `reserve`)
+        self._lock = threading.Lock()  # versions load on several threads at once
 
-def reserve(instances: int) -> int:
-    """The first of `instances` consecutive slots for one model's compute threads: slots, and so
-    cores, continue across models, so that two one-instance models do not share a core."""
-    global _slots
-    first, _slots = _slots, _slots + instances
-    return first
+    @property
+    def slots(self) -> int:
+        """The compute slots handed out so far."""
+        return self._slots
+
+    def reserve(self, instances: int) -> int:
+        """The first of `instances` consecutive slots for one model's compute threads: slots, and so
+        cores, continue across models, so that two one-instance models do not share a core."""
+        with self._lock:
+            first, self._slots = self._slots, self._slots + instances
+        return first
+
+    def lower_this_thread(self, slot: int | None = None) -> None:
+        """Called first thing in every compute thread (and around session loading, with no slot).
+
+        `slot` (from `reserve`, plus the instance's number) also keeps a niced thread on core `slot` of
+        those allowed, round robin, so that a model's instances run on different cores.
+        """
+        if not self.nice:
+            return
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError, AttributeError):  # no per-thread nice or affinity: left as it is
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+        if slot is not None and len(self.cores) > 1:
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setaffinity(tid, {self.cores[slot % len(self.cores)]})
+
+    def run_lowered(self, fn: Callable[[], T]) -> T:
+        """`fn()` in a new thread at compute priority: threads it starts (onnxruntime's) inherit it."""
+        box: list[Any] = []
+
+        def target() -> None:
+            self.lower_this_thread()
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # handed to the caller's thread
+                box.append((False, e))
+
+        t = threading.Thread(target=target, name="qkv-load")
+        t.start()
+        t.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
 
 def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
@@ -67,39 +110,3 @@ def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
         return None if quota_us < 0 else quota_us / period_us
     except (OSError, ValueError):
         return None
-
-
-def lower_this_thread(slot: int | None = None) -> None:
-    """Called first thing in every compute thread (and around session loading, with no slot).
-
-    `slot` (from `reserve`, plus the instance's number) also keeps a niced thread on core `slot` of
-    those allowed, round robin, so that a model's instances run on different cores.
-    """
-    if not _nice:
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError, AttributeError):  # no per-thread nice or affinity: left as it is
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _nice))
-    if slot is not None and len(_cores) > 1:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setaffinity(tid, {_cores[slot % len(_cores)]})
-
-
-def run_lowered(fn: Callable[[], T]) -> T:
-    """`fn()` in a new thread at compute priority: threads it starts (onnxruntime's) inherit it."""
-    box: list[Any] = []
-
-    def target() -> None:
-        lower_this_thread()
-        try:
-            box.append((True, fn()))
-        except BaseException as e:  # handed to the caller's thread
-            box.append((False, e))
-
-    t = threading.Thread(target=target, name="qkv-load")
-    t.start()
-    t.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]

@@ -21,8 +21,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, priority, protocol
-from service.config import ServerSettings
+from service import __version__, protocol
+from service.config import ServerSettings, check
+from service.errors import ConfigError
 from service.frontends import grpc_api, shared_memory
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
@@ -30,10 +31,11 @@ from service.models.kinds import Result
 from service.models.response_cache import ResponseCache
 from service.observability import logs
 from service.observability.metrics import CacheMetrics, Metrics
+from service.priority import ComputeThreads
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
 from service.serving.dataplane import DataPlane
-from service.serving.registry import ModelRegistry, one_malloc_arena, return_freed_memory
+from service.serving.memory import one_malloc_arena, return_freed_memory
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
@@ -68,32 +70,40 @@ def _tracing(settings: ServerSettings) -> Tracing | None:
 
 
 class Server:
-    """Models + gRPC server + metrics endpoint, started and drained as one."""
+    """Models + gRPC server + metrics endpoint, started and drained as one.
 
-    def __init__(self, settings: ServerSettings) -> None:
-        self.settings = settings
-        # TLS files and tokens first: a bad one stops the start before any model loads.
+    All of a server's state hangs off this object (its models, metrics, compute threads, regions): several
+    servers run in one process, each on its own ports. `reuse_port`: the gRPC port may be shared with other
+    processes binding it the same way (SO_REUSEPORT: N workers behind one port); otherwise a port already
+    taken fails the start rather than splitting its traffic with whoever holds it.
+    """
+
+    def __init__(self, settings: ServerSettings, reuse_port: bool = False) -> None:
+        self.settings, self.reuse_port = settings, reuse_port
+        check(settings)  # every setting, then the TLS files and tokens: a bad one stops the start (ConfigError)
         self._credentials = server_credentials(settings)
-        if not 0 < settings.token_share <= 1:
-            raise SystemExit(f"qkv: --token-share {settings.token_share:g}: give a share in (0, 1]")
-        if settings.isolate_tokens and settings.auth_token_file is None:
-            raise SystemExit("qkv: --isolate-tokens needs --auth-token-file: the tokens are what it isolates")
         self._tokens = BearerTokens(
             bearer_tokens(settings.auth_token_file),
-            bearer_tokens(settings.admin_token_file),
+            bearer_tokens(settings.admin_token_file, "--admin-token-file"),
             settings.isolate_tokens,
             settings.token_share,
         )
         self.metrics = Metrics(enabled=settings.metrics)
-        priority.configure(settings.compute_nice)
+        self.compute = ComputeThreads(settings.compute_nice)  # this server's compute threads: priority, cores
         self.tracing = _tracing(settings)
         self.cache: ResponseCache[Result] | None = None  # --cache-size 0: none
         if settings.cache_size > 0:
             self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics), settings.cache_across_tokens)
-        self.registry = ModelRegistry(settings, self.metrics, self._model_changed, self.tracing, self.cache)
         self.plane = DataPlane(
-            self.registry, self.metrics, settings, self.tracing, self.return_memory_later, self.cache
+            settings,
+            self.metrics,
+            self.tracing,
+            self.return_memory_later,
+            self.cache,
+            self._model_changed,
+            self.compute,
         )
+        self.registry = self.plane.registry
         self.shared_memory = shared_memory.SharedMemoryRegistry(
             settings.shared_memory_max_regions,
             settings.shared_memory_max_bytes,
@@ -121,7 +131,7 @@ class Server:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.max_connection_idle_ms", 600_000),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(self.reuse_port)),
         ]
         if s.max_connection_age > 0:
             options += [
@@ -172,13 +182,14 @@ class Server:
                 server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
             )
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
-            raise SystemExit(f"qkv: cannot bind the gRPC port {address}: {e}") from None
+            raise ConfigError("--grpc-port", f"cannot bind the gRPC port {address}: {e}") from None
         if s.metrics_port >= 0:
             metrics_host = s.metrics_host or s.host
             try:
                 self.metrics_port = self.metrics.serve(metrics_host, s.metrics_port, s.http_timeout)
             except OSError as e:
-                raise SystemExit(f"qkv: cannot bind the metrics port {metrics_host}:{s.metrics_port}: {e}") from None
+                where = f"{metrics_host}:{s.metrics_port}"
+                raise ConfigError("--metrics-port", f"cannot bind the metrics port {where}: {e}") from None
         if s.http_port >= 0:
             from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 

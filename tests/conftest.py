@@ -11,8 +11,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from service.process import ServerProcess, stop_server
-from service.process import start_server as _start
+from service.tools.process import ServerProcess, stop_server
+from service.tools.process import start_server as _start
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"

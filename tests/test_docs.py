@@ -29,13 +29,13 @@ import grpc
 import pytest
 
 from service import cli, errors, protocol
-from service.client import PUSHBACK, Client, g2p_request
 from service.config import ServerSettings, add_arguments, from_arguments
 from service.frontends.statuses import HTTP_STATUS, grpc_status, http_status
 from service.observability.metrics import SEQ_LEN_BUCKETS, UNKNOWN_MODEL
 from service.repository import layout as repository
 from service.repository.layout import ModelConfig
 from service.scheduling.config import BatchingConfig
+from service.tools.client import PUSHBACK, Client, g2p_request
 from tests.conftest import ROOT, RunningServer, start_server
 
 DOCS = ROOT / "docs"
@@ -621,7 +621,7 @@ RUN_HERE = {
         "test_the_console_tracing_example_prints_what_it_shows",
     ("sequences.md", INCREMENTAL_BUILD):
         "test_the_incremental_decoding_example_answers_as_shown",
-    ("sequences.md", "from service.incremental import IncrementalG2P"):
+    ("sequences.md", "from service.tools.incremental import IncrementalG2P"):
         "test_the_incremental_decoding_example_answers_as_shown",
 }  # fmt: skip
 
@@ -701,7 +701,7 @@ def test_the_incremental_decoding_example_answers_as_shown(tmp_path: Path) -> No
         assert done.returncode == 0, (command, done.stderr)
     assert serve.startswith(".venv/bin/qkv serve ")
     with start_server(serve.split()[2:], tmp_path / "server.log") as s:
-        code = example("sequences.md", "from service.incremental import IncrementalG2P").text.replace(
+        code = example("sequences.md", "from service.tools.incremental import IncrementalG2P").text.replace(
             "127.0.0.1:8001", s.url)  # fmt: skip
         *setup, last = code.strip().splitlines()
         expression, _, comment = last.partition("  # ")

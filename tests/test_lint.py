@@ -26,3 +26,70 @@ BIN = Path(sys.executable).parent
 def test_the_code_passes(command: list[str]) -> None:
     done = subprocess.run([str(BIN / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}{done.stderr}"
+
+
+def _modules(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def test_the_server_package_has_at_most_ten_top_level_modules() -> None:
+    top = sorted(p.name for p in (ROOT / "service").glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def test_a_module_over_500_lines_says_why_at_its_top() -> None:
+    """Its first line is `# Over 500 lines: REASON.`: a long module is a choice, not an accident."""
+    long = {p: n for p in _modules("service", "export") if (n := len(p.read_text().splitlines())) > 500}
+    unexplained = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p, n in long.items()
+        if not p.read_text().startswith("# Over 500 lines: ")
+    ]
+    assert not unexplained, unexplained
+
+
+def test_service_and_export_import_no_module_that_imports_them_back() -> None:
+    """No import cycle among the modules of service/ and export/ (strongly connected groups of grimp's graph)."""
+    import grimp
+
+    graph = grimp.build_graph("service", "export", cache_dir=None)
+    modules = sorted(graph.modules)
+    imports = {m: graph.find_modules_directly_imported_by(m) & set(modules) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in imports[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = [stack.pop()]
+            while group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in modules:
+        if module not in index:
+            visit(module)
+    assert not cycles, cycles
+
+
+def test_only_the_command_line_exits() -> None:
+    """A setting the server cannot use is a ConfigError (service/errors.py) wherever it is found; only
+    service/cli.py turns errors into an exit status."""
+    exits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in _modules("service")
+        if p != ROOT / "service" / "cli.py"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "SystemExit" in line
+    ]
+    assert not exits, exits

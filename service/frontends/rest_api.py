@@ -1,3 +1,4 @@
+# Over 500 lines: every v2 REST route and its errors, as grpc_api.py holds gRPC's.
 """The v2 REST protocol on --http-port, beside gRPC on the same event loop (docs/design.md, "HTTP/REST").
 
 One data plane: each handler decodes its request (rest_codec.py) and awaits the `DataPlane` the gRPC
@@ -30,7 +31,7 @@ from aiohttp.web_protocol import ERROR, RequestPayloadError
 from service.callers import Caller
 from service.config import ServerSettings
 from service.datatypes import encode_bytes
-from service.errors import InvalidArgument, ServingError, clip, quote
+from service.errors import ConfigError, InvalidArgument, ServingError, clip, quote
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource, RawSource
 from service.frontends.messages import (
@@ -207,7 +208,7 @@ class RestServer:
         try:
             self._socket = socket.create_server((host, port), family=family, backlog=1024)
         except OSError as e:
-            raise SystemExit(f"qkv: cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
+            raise ConfigError("--http-port", f"cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
         return int(self._socket.getsockname()[1])
 
     async def start(self) -> None:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from service import protocol
 from service.callers import Caller
 from service.config import ServerSettings
+from service.errors import ConfigError
 
 __all__ = [
     "OPEN_METHODS",
@@ -131,25 +132,25 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def _read(path: Path, what: str) -> bytes:
+def _read(path: Path, what: str, flag: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise SystemExit(f"qkv: cannot read {what} {path}: {e.strerror}") from None
+        raise ConfigError(flag, f"cannot read {what} {path}: {e.strerror}", path) from None
 
 
-def bearer_tokens(path: Path | None) -> list[str]:
+def bearer_tokens(path: Path | None, flag: str = "--auth-token-file") -> list[str]:
     """The bearer tokens of a token file (--auth-token-file, --admin-token-file), one a line (blank lines
     skipped); [] without one."""
     if not path:
         return []
     try:
-        text = _read(path, "token file").decode()
+        text = _read(path, "token file", flag).decode()
     except UnicodeDecodeError as e:
-        raise SystemExit(f"qkv: token file {path} is not UTF-8 text (byte {e.start})") from None
+        raise ConfigError(flag, f"token file {path} is not UTF-8 text (byte {e.start})", path) from None
     tokens = [t.strip() for t in text.splitlines() if t.strip()]
     if not tokens:
-        raise SystemExit(f"qkv: token file {path} holds no token")
+        raise ConfigError(flag, f"token file {path} holds no token", path)
     return tokens
 
 
@@ -157,23 +158,24 @@ def server_credentials(s: ServerSettings) -> grpc.ServerCredentials | None:
     """TLS (and mutual TLS) server credentials, every file checked now: a bad one stops the start."""
     if not s.tls_cert and not s.tls_key:
         if s.tls_client_ca:
-            raise SystemExit("qkv: --tls-client-ca needs --tls-cert and --tls-key")
+            raise ConfigError("--tls-client-ca", "--tls-client-ca needs --tls-cert and --tls-key")
         return None
     if not (s.tls_cert and s.tls_key):
-        raise SystemExit("qkv: --tls-cert and --tls-key go together")
-    cert, key = _read(s.tls_cert, "TLS certificate"), _read(s.tls_key, "TLS key")
+        raise ConfigError("--tls-cert", "--tls-cert and --tls-key go together")
+    cert, key = _read(s.tls_cert, "TLS certificate", "--tls-cert"), _read(s.tls_key, "TLS key", "--tls-key")
     if b"-----BEGIN CERTIFICATE-----" not in cert:
-        raise SystemExit(f"qkv: TLS certificate {s.tls_cert} holds no PEM certificate")
+        raise ConfigError("--tls-cert", f"TLS certificate {s.tls_cert} holds no PEM certificate", s.tls_cert)
     if b"PRIVATE KEY-----" not in key:
-        raise SystemExit(f"qkv: TLS key {s.tls_key} holds no PEM private key")
+        raise ConfigError("--tls-key", f"TLS key {s.tls_key} holds no PEM private key", s.tls_key)
     _check_key_matches(cert, key, s)
     ca = None
     if s.tls_client_ca:
-        ca = _read(s.tls_client_ca, "client CA")
+        ca = _read(s.tls_client_ca, "client CA", "--tls-client-ca")
         try:
             x509.load_pem_x509_certificates(ca)
         except ValueError as e:
-            raise SystemExit(f"qkv: client CA {s.tls_client_ca} holds no valid PEM certificate: {e}") from None
+            why = f"client CA {s.tls_client_ca} holds no valid PEM certificate: {e}"
+            raise ConfigError("--tls-client-ca", why, s.tls_client_ca) from None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
@@ -197,11 +199,12 @@ def _check_key_matches(cert: bytes, key: bytes, s: ServerSettings) -> None:
     try:
         public = x509.load_pem_x509_certificate(cert).public_key()
     except ValueError as e:
-        raise SystemExit(f"qkv: cannot parse TLS certificate {s.tls_cert}: {e}") from None
+        raise ConfigError("--tls-cert", f"cannot parse TLS certificate {s.tls_cert}: {e}", s.tls_cert) from None
     try:
         private = serialization.load_pem_private_key(key, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # TypeError: the key is encrypted
-        raise SystemExit(f"qkv: cannot parse TLS key {s.tls_key}: {e}") from None
+        raise ConfigError("--tls-key", f"cannot parse TLS key {s.tls_key}: {e}", s.tls_key) from None
     fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     if public.public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
-        raise SystemExit(f"qkv: TLS key {s.tls_key} is not the private key of certificate {s.tls_cert}")
+        why = f"TLS key {s.tls_key} is not the private key of certificate {s.tls_cert}"
+        raise ConfigError("--tls-key", why, s.tls_key)

@@ -1,3 +1,4 @@
+# Over 500 lines: Triton's shared memory extension whole: one security boundary in one place.
 """Triton's system shared memory extension: regions a client registers, tensors read from and written to them.
 
 A region is a slice [offset, offset + byte_size) of a POSIX shared memory object, /dev/shm/KEY on the

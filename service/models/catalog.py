@@ -8,13 +8,12 @@ builds a version of it (sessions loaded at compute priority): a new kind is one 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from service import priority
 from service.datatypes import InputLimits
 from service.errors import ServingError
 from service.models.ensemble import EnsembleModel, Steps
@@ -24,6 +23,7 @@ from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.models.stateful import StatefulTensorModel
 from service.models.text import build_text_model
 from service.observability.metrics import ModelObserver
+from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig
 from service.scheduling.admission import Admission
 from service.scheduling.config import BatchingConfig
@@ -123,6 +123,7 @@ class Context:
     observer: ModelObserver  # the version's metrics
     cache: Cache = None  # the response cache, for a kind that keeps answers itself
     steps: Steps | None = None  # the served models, for a kind that runs others (an ensemble)
+    compute: ComputeThreads = field(default_factory=ComputeThreads)  # the server's compute threads
 
 
 KindFactory = Callable[[ModelConfig, Context], ServedVersion]
@@ -131,11 +132,13 @@ KindFactory = Callable[[ModelConfig, Context], ServedVersion]
 def _tensor(config: ModelConfig, context: Context) -> ServedVersion:
     # config.json sequence_batching: a stateful model, through the sequence batcher
     kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
-    return kind(config, priority.run_lowered(partial(TensorRuntime, config, context.providers)), context.observer)
+    runtime = context.compute.run_lowered(partial(TensorRuntime, config, context.providers))
+    return kind(config, runtime, context.observer, context.compute)
 
 
 def _g2p(config: ModelConfig, context: Context) -> ServedVersion:
-    model = G2PModel(config, priority.run_lowered(partial(G2PRuntime, config, context.providers)), context.observer)
+    runtime = context.compute.run_lowered(partial(G2PRuntime, config, context.providers))
+    model = G2PModel(config, runtime, context.observer, context.compute)
     model.cache = context.cache if config.response_cache else None  # it keeps each word's answer
     return model
 
@@ -145,7 +148,7 @@ def _ensemble(config: ModelConfig, context: Context) -> ServedVersion:
 
 
 def _text(config: ModelConfig, context: Context) -> ServedVersion:
-    return build_text_model(config, context.providers, context.observer)
+    return build_text_model(config, context.providers, context.observer, context.compute)
 
 
 KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p, "ensemble": _ensemble, "text": _text}

@@ -1,3 +1,4 @@
+# Over 500 lines: English reading rules: their tables and the rules that read them go together.
 """Text as people write it -> the words a g2p model spells, by English reading rules.
 
 `spoken_words("Dr. Smith paid $5 on 3/4")` is `["doctor", "smith", "paid", "five", "dollars", "on",

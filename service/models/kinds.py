@@ -1,3 +1,4 @@
+# Over 500 lines: the tensor and g2p kinds and their shared checks, until each kind is a package.
 """The two model kinds, protocol-free: numpy arrays in, numpy arrays out, through a batcher.
 
 - `TensorModel`: any ONNX graph; inputs checked against the graph, batched along axis 0 and
@@ -32,6 +33,7 @@ from service.models.response_cache import key as cache_key
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
 from service.models.warmup import graph_feeds
 from service.observability.metrics import ModelObserver
+from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import LONE, DynamicBatcher
@@ -267,7 +269,13 @@ class TensorModel:
     platform = "onnxruntime_onnx"
     compute_span = "qkv.compute"
 
-    def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        runtime: TensorRuntime,
+        observer: ModelObserver,
+        compute: ComputeThreads | None = None,
+    ) -> None:
         self.config, self.runtime, self.observer = config, runtime, observer
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.inputs, self.outputs = runtime.inputs, runtime.outputs
@@ -293,7 +301,7 @@ class TensorModel:
         b = config.batching if self.batchable else replace(config.batching, enabled=False, max_batch_size=1)
         self.max_batch_size = b.max_batch_size if self.batchable else 0
         lone = runtime.lone is not None  # a batch running alone may use every core
-        self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone)
+        self.batcher = DynamicBatcher(self.name, b, self._run_batch, len(runtime.sessions), observer, lone, compute)
         self.optional = frozenset(d["name"] for d in config.inputs if d.get("optional"))  # Triton's `optional`
         self.priorities = config.priorities  # Triton's priority levels and queue policies, when configured
         if config.preferred_batch_sizes:  # Triton's dynamic_batching.preferred_batch_size
@@ -790,7 +798,9 @@ class G2PModel:
     ]
     text_rules = RULES  # the reading rules' version, which the model card may pin
 
-    def __init__(self, config: ModelConfig, runtime: G2PRuntime, observer: ModelObserver) -> None:
+    def __init__(
+        self, config: ModelConfig, runtime: G2PRuntime, observer: ModelObserver, compute: ComputeThreads | None = None
+    ) -> None:
         self.config, self.runtime = config, runtime
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
         self.graphemes, self.phonemes = runtime.graphemes, runtime.phonemes
@@ -819,7 +829,7 @@ class G2PModel:
         self.lexicon: Lexicon | None = runtime.lexicon  # the version's pronouncing lexicon, when it ships one
         self.stats = ModelStats()
         self.in_flight = InFlight()  # leases of requests between their lookup and their answer (the server's)
-        self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer)
+        self.scheduler = GenerationScheduler(self.name, config.batching, runtime.instances, observer, compute)
         self.admission = self.scheduler.admission
         # config.json response_cache: each word's answer kept (set by the registry when the server has a cache)
         self.cache: ResponseCache[Hypothesis] | None = None

@@ -21,6 +21,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import Result, TensorModel, _as_strings, check_outputs, checked_feeds
 from service.models.runtime import TensorRuntime
 from service.observability.metrics import ModelObserver
+from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.sequence import SequenceBatcher, SequenceStep, initial_state
 
@@ -33,8 +34,14 @@ __all__ = ["StatefulTensorModel"]
 class StatefulTensorModel(TensorModel):
     kind = "tensor"
 
-    def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver) -> None:
-        super().__init__(config, runtime, observer)
+    def __init__(
+        self,
+        config: ModelConfig,
+        runtime: TensorRuntime,
+        observer: ModelObserver,
+        compute: ComputeThreads | None = None,
+    ) -> None:
+        super().__init__(config, runtime, observer, compute)
         sequence = config.sequence_batching
         assert sequence is not None
         self.sequence = sequence
@@ -73,6 +80,7 @@ class StatefulTensorModel(TensorModel):
             len(runtime.sessions),
             initial=initial,
             observer=observer,
+            compute=compute,
         )
 
     def warm_up(self, length: int = 64) -> None:

@@ -1,3 +1,4 @@
+# Over 500 lines: all of the OpenTelemetry binding, the one module importing opentelemetry.
 """OpenTelemetry traces of inference requests: where each request's time went, across services.
 
 Imported only when tracing is on (`--tracing`, `--trace-sample-ratio`, `--tracing-exporter console`
@@ -59,6 +60,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import Attributes
 
 from service import __version__
+from service.errors import ConfigError
 
 __all__ = ["BATCH", "BatchSpan", "JoinCounter", "RequestTrace", "Traced", "Tracing"]
 
@@ -121,7 +123,8 @@ def _otlp() -> tuple[SpanExporter, str, str]:
 
         exporter = HttpExporter()
     else:
-        raise SystemExit(f"qkv: OTLP protocol {protocol!r}: qkv exports traces over {' or '.join(PROTOCOLS)}")
+        why = f"OTLP protocol {protocol!r}: qkv exports traces over {' or '.join(PROTOCOLS)}"
+        raise ConfigError("OTEL_EXPORTER_OTLP_PROTOCOL", why)
     # The endpoint as the exporter resolved it (host:port for gRPC, the URL for HTTP).
     return exporter, protocol, str(getattr(exporter, "_endpoint", "") or "")
 
@@ -384,7 +387,7 @@ class Tracing:
             try:
                 out = file.open("a", encoding="utf-8")
             except OSError as e:
-                raise SystemExit(f"qkv: --tracing-file {file}: {e.strerror}") from None
+                raise ConfigError("--tracing-file", f"--tracing-file {file}: {e.strerror}", file) from None
             self.exporter = _Reported(JsonLines(out, close=True), str(file), "")
             said = f"spans go to {file}, one JSON object a line"
         elif exporter == "console":

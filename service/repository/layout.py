@@ -1,3 +1,4 @@
+# Over 500 lines: config.json's schema, every key in one place, as docs/configuration.md lists them.
 """The model repository: one directory per model, numbered versions, an optional config.json.
 
     models/NAME/config.json      kind, batching, instances, limits, model card (all optional)

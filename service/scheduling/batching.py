@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from service import priority
 from service.errors import Internal, ServingError, Unavailable
+from service.priority import ComputeThreads
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
 from service.scheduling.loop_idle import last_idle
@@ -100,6 +100,7 @@ class DynamicBatcher:
         instances: int = 1,
         observer: BatchObserver | None = None,
         lone: bool = False,
+        compute: ComputeThreads | None = None,
     ) -> None:
         self.name, self.config, self.run_batch = name, config, run_batch
         self.instances = max(1, instances)
@@ -113,9 +114,10 @@ class DynamicBatcher:
         self.observer.capacity(self.admission.wait_seconds, self.admission.utilization)
         self.queue: list[WorkItem] = []
         self._changed = asyncio.Event()
-        first = priority.reserve(self.instances)
+        self.compute = compute or ComputeThreads()  # the server's: its threads' priority and cores
+        first = self.compute.reserve(self.instances)
         self._executors = [
-            ThreadPoolExecutor(1, f"qkv-{name}-{i}", priority.lower_this_thread, (first + i,))
+            ThreadPoolExecutor(1, f"qkv-{name}-{i}", self.compute.lower_this_thread, (first + i,))
             for i in range(self.instances)
         ]
         self._idle = list(range(self.instances - 1, -1, -1))  # a stack: instance 0 on top

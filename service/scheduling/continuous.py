@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from service import priority
 from service.errors import Internal, ServingError, Unavailable
+from service.priority import ComputeThreads
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
 from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel, beam_search
@@ -117,8 +117,10 @@ class GenerationScheduler:
         config: BatchingConfig,
         models: Sequence[StepModel],
         observer: BatchObserver | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         self.name, self.config, self.models = name, config, list(models)
+        self.compute = compute or ComputeThreads()  # the server's: its threads' priority and cores
         self.observer = observer or NullObserver()
         self.admission = Admission(name, config, len(self.models), kinds=(GREEDY, BEAM))
         self.observer.capacity(self.admission.wait_seconds, self.admission.utilization)
@@ -134,7 +136,7 @@ class GenerationScheduler:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        first = priority.reserve(len(self.models))
+        first = self.compute.reserve(len(self.models))
         self._threads = [threading.Thread(target=self._work, args=(i, first + i), name=f"qkv-{self.name}-{i}",
                                           daemon=True) for i in range(len(self.models))]  # fmt: skip
         for t in self._threads:
@@ -314,7 +316,7 @@ class GenerationScheduler:
             pass
 
     def _decode(self, instance: int, slot: int, held: list[Any]) -> None:
-        priority.lower_this_thread(slot)
+        self.compute.lower_this_thread(slot)
         model = self.models[instance]
         batch = DecodingBatch(model)
         beams: _Beams | None = None

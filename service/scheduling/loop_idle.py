@@ -9,7 +9,8 @@ request is stamped when the loop reaches it, a few hundred microseconds after th
 a client's round trip on loopback also is. The loop itself can: between a request that came alone and the
 one before it, the loop waited in its selector for the network; between two that queued, it never did.
 
-`IdleSelector` is the server loop's selector (`new_event_loop`); it notes when a wait in it ended.
+`IdleSelector` is the server loop's selector (`new_event_loop`); it notes when a wait in it ended. The note
+is the loop's own (`IdleLoop`), so servers on different loops, in one process, each read their own.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-import weakref
 from typing import Any
 
-__all__ = ["IDLE_WAIT_S", "IdleSelector", "last_idle", "new_event_loop"]
+__all__ = ["IDLE_WAIT_S", "IdleLoop", "IdleSelector", "last_idle", "new_event_loop"]
 
 # A select that took this long waited for something to happen: the loop had nothing to do. One with work
 # already pending returns within a few microseconds.
@@ -45,19 +45,22 @@ class IdleSelector(selectors.DefaultSelector):
         return events
 
 
-_selectors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, IdleSelector] = weakref.WeakKeyDictionary()
+class IdleLoop(asyncio.SelectorEventLoop):
+    """A selector event loop on an `IdleSelector`: it knows when it last waited for work."""
+
+    def __init__(self) -> None:
+        self.idle_selector = IdleSelector()
+        super().__init__(self.idle_selector)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """The server's event loop (asyncio.Runner's loop_factory): a selector loop whose waits are noted."""
-    selector = IdleSelector()
-    loop = asyncio.SelectorEventLoop(selector)
-    _selectors[loop] = selector
-    return loop
+    return IdleLoop()
 
 
 def last_idle() -> float | None:
     """time.monotonic() when the running loop last waited for work; None when it notes no waits (a loop
-    `new_event_loop` did not make: then nothing is known)."""
-    selector = _selectors.get(asyncio.get_running_loop())
-    return selector.idle_at if selector is not None else None
+    `new_event_loop` did not make, uvloop's for one: then nothing is known, and no request is taken for one
+    that waited behind another)."""
+    loop = asyncio.get_running_loop()
+    return loop.idle_selector.idle_at if isinstance(loop, IdleLoop) else None

@@ -1,3 +1,4 @@
+# Over 500 lines: Triton's sequence batcher whole: its invariants (ids, state, reaper) span all of it.
 """Sequence batching for stateful models, after Triton's sequence batcher.
 
 A client sends the requests of a sequence under one correlation id (an integer or a string), the first
@@ -42,10 +43,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service import priority
 from service.callers import Caller, share_of
 from service.datatypes import NUMPY_DTYPES, decode_bytes
 from service.errors import Internal, InvalidArgument, NotFound, ResourceExhausted, ServingError, Unavailable, quote
+from service.priority import ComputeThreads
 from service.scheduling.sequence_config import Control, SequenceConfig, StateSpec
 
 __all__ = [
@@ -198,6 +199,7 @@ class SequenceBatcher:
         max_queued: int = MAX_QUEUED,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         observer: SequenceObserver | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         self.name, self.config, self.run_batch, self.clock, self.sleep = name, config, run_batch, clock, sleep
         self.observer: SequenceObserver = observer or _NoObserver()
@@ -226,9 +228,10 @@ class SequenceBatcher:
         self._closed = False
         self.failure = ""  # why the dispatcher or the reaper stopped, once one has: every request is refused with it
         self.on_failure: Callable[[ServingError], None] | None = None  # told once, when a task dies
-        first = priority.reserve(self.instances)
+        self.compute = compute or ComputeThreads()  # the server's: its threads' priority and cores
+        first = self.compute.reserve(self.instances)
         self._executors = [
-            ThreadPoolExecutor(1, f"qkv-{name}-seq{i}", priority.lower_this_thread, (first + i,))
+            ThreadPoolExecutor(1, f"qkv-{name}-seq{i}", self.compute.lower_this_thread, (first + i,))
             for i in range(self.instances)
         ]
 

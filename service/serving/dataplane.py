@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from ipaddress import ip_address
@@ -41,6 +41,7 @@ from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.observability import logs
 from service.observability.metrics import UNKNOWN_MODEL, Metrics, VersionSeries, seq_len_bucket
+from service.priority import ComputeThreads
 from service.repository.ensemble_config import EnsembleStep
 from service.repository.layout import parse_config
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -86,15 +87,18 @@ class DataPlane:
 
     def __init__(
         self,
-        registry: ModelRegistry,
-        metrics: Metrics,
         settings: ServerSettings,
+        metrics: Metrics,
         tracing: Tracing | None = None,
         after_large: Callable[[], None] | None = None,
         cache: ResponseCache[Result] | None = None,
+        changed: Callable[[str, bool], Awaitable[None]] | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
-        self.registry, self.metrics, self.settings, self.tracing = registry, metrics, settings, tracing
-        registry.steps = self  # the ensembles it builds run their steps here
+        self.metrics, self.settings, self.tracing = metrics, settings, tracing
+        # The served models, loaded on `compute`'s threads; the ensembles among them run their steps here.
+        # `changed(name, ready)`: the server's health follows the models.
+        self.registry = ModelRegistry(settings, metrics, changed, tracing, cache, steps=self, compute=compute)
         self.cache = cache  # --cache-size: answers of the models whose config.json enables response_cache
         # Called after a large or refused request: the server hands the freed heap back to the system.
         self._after_large = after_large

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import re
@@ -40,6 +39,7 @@ from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
 from service.models.warmup_samples import warm_up_with_samples
 from service.observability.metrics import Metrics
+from service.priority import ComputeThreads
 from service.repository.layout import (
     ModelConfig,
     RepositoryError,
@@ -49,6 +49,7 @@ from service.repository.layout import (
     load_model,
     model_directories,
 )
+from service.serving.memory import return_freed_memory
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import Tracing
@@ -63,8 +64,6 @@ __all__ = [
     "Model",
     "ModelRegistry",
     "VersionState",
-    "one_malloc_arena",
-    "return_freed_memory",
 ]
 
 log = logging.getLogger("qkv.registry")
@@ -111,9 +110,6 @@ class ServedModel:
         return [self.versions[v] for v in sorted(self.versions, key=int)]
 
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
 _VERSION_STRING = re.compile(r"\s*[+-]?[0-9]+")  # what C++'s std::stol, which Triton reads it with, accepts
 
 
@@ -131,22 +127,6 @@ def check_version_string(version: str) -> None:
         )
 
 
-def one_malloc_arena() -> None:
-    """Every thread allocates from glibc's main heap, called before the first threads start. Sessions are
-    built on worker threads; in per-thread arenas, what an unloaded version freed could stay resident
-    (unload after unload left 32 MiB of a 70 MiB model in one run of three), while free pages anywhere
-    in the main heap go back to the system with malloc_trim (every unload returned to within 1 MiB).
-    onnxruntime's tensors come from its own arena, so compute threads rarely call malloc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps them otherwise): RSS falls after an unload."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 class ModelRegistry:
     """The served models, by name and version, and the loads and unloads that change them.
 
@@ -162,6 +142,8 @@ class ModelRegistry:
         changed: Callable[[str, bool], Awaitable[None]] | None = None,
         tracing: Tracing | None = None,
         cache: ResponseCache[Any] | None = None,
+        steps: Steps | None = None,
+        compute: ComputeThreads | None = None,
     ) -> None:
         self.root = Path(settings.model_repository)
         self.cache = cache  # a leaving version's kept answers go with it
@@ -178,7 +160,9 @@ class ModelRegistry:
         self._closing = False
         self.started = False  # set once the start's models are loaded
         self.initial = settings.load_model if self.mode == "explicit" else ("*",)
-        self.steps: Steps | None = None  # the server's data plane: the ensembles built here run their steps there
+        self.steps = steps  # the server's data plane: the ensembles built here run their steps there
+        # the server's compute threads (their priority, their cores): each version built here runs on them
+        self.compute = compute or ComputeThreads(settings.compute_nice)
 
     # Reads: on the event loop, never waiting.
 
@@ -433,7 +417,7 @@ class ModelRegistry:
     def _build(self, config: ModelConfig) -> Model:
         """On a worker thread: sessions (loaded at compute priority) and warm-up."""
         observer = self.metrics.observer(config.name, config.version)
-        model = build(config, Context(self.providers, observer, self.cache, self.steps))
+        model = build(config, Context(self.providers, observer, self.cache, self.steps, self.compute))
         try:
             model.warm_up()
             warm_up_with_samples(model, config.warmup, config.directory.parent)  # a Triton config's model_warmup

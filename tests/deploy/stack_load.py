@@ -1,5 +1,5 @@
 """Load for the compose tests, run in a container on the stack's network with the qkv image's
-Python (grpc and service.client are there). Threads send one-word g2p requests for a while; the
+Python (grpc and service.tools.client are there). Threads send one-word g2p requests for a while; the
 script prints one JSON object: every request's start, end, status and message.
 
     python stack_load.py --target dns:///qkv:8001 --seconds 10 --threads 4 [--retry] [--round-robin] [--until-refused]
@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from service import protocol
-from service.client import Client, g2p_outputs, g2p_request
+from service.tools.client import Client, g2p_outputs, g2p_request
 
 WORDS = ["attention", "transformer", "hello", "world", "sequence", "batch", "docker", "replica"]
 

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from service import protocol
-from service.bench.servers import scrape
-from service.loadgen import encoder_request
 from service.scheduling.admission import WorkItem
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.seq2seq.vocab import Vocabulary
+from service.tools.bench.servers import scrape
+from service.tools.loadgen import encoder_request
 from tests.conftest import RunningServer
 
 

@@ -21,9 +21,9 @@ import tritonclient.http as h
 from tritonclient.utils import InferenceServerException
 
 from service import protocol
-from service.bench import scrape, variant
-from service.loadgen import encoder_request
 from service.models.classification import MAX_CLASS_COUNT
+from service.tools.bench import scrape, variant
+from service.tools.loadgen import encoder_request
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.ensemble_models import outer_product, unbounded_repeat
 from tests.service.queue_helpers import ENCODER_CACHED, ENCODER_VOCAB, blocker_request, computing_alone, model_stats

@@ -28,7 +28,7 @@ import tritonclient.http as h
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from service.bench.servers import variant
+from service.tools.bench.servers import variant
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_attacks import _attack, _still_serves
 from tests.service.test_sequence_server import sequence_models

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 
 from service import protocol
-from service.client import g2p_request
+from service.tools.client import g2p_request
 from tests.conftest import start_server, stop_server
 
 WAIT = 60.0  # the longest a connection or an answer is waited for

@@ -26,10 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import priority, protocol
-from service.bench import scrape, variant
 from service.config import ServerSettings
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted
-from service.loadgen import encoder_request, g2p_word_request
 from service.models.runtime import lone_threads
 from service.repository.layout import ModelConfig
 from service.scheduling.admission import WorkItem
@@ -38,6 +36,8 @@ from service.scheduling.config import BatchingConfig
 from service.scheduling.loop_idle import new_event_loop
 from service.scheduling.tuning import lone_inline_tokens, lone_threshold
 from service.seq2seq.graphs import session_options
+from service.tools.bench import scrape, variant
+from service.tools.loadgen import encoder_request, g2p_word_request
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import (
     FLOOD_QUEUE_WAIT_MS,

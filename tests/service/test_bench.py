@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from service.bench import targets_table
 from service.repository.layout import model_cards
+from service.tools.bench import targets_table
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 

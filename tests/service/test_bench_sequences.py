@@ -12,7 +12,7 @@ import onnx
 import tritonclient.grpc as grpcclient
 from onnx import numpy_helper
 
-from service.bench.sequences import CONCURRENT, FEATURES, HIDDEN, MODEL, TRANSPORTS, gru_step_model
+from service.tools.bench.sequences import CONCURRENT, FEATURES, HIDDEN, MODEL, TRANSPORTS, gru_step_model
 from tests.conftest import start_server, stop_server
 from tests.service.test_bench import bench
 

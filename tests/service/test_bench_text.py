@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.bench.text import CONCURRENCY, SERVERS, frequency_curve, read_sentences, words_of
+from service.tools.bench.text import CONCURRENCY, SERVERS, frequency_curve, read_sentences, words_of
 from tests.service.test_bench import bench
 
 LONG = " ".join(["one"] * 70) + "."  # more words than g2p's max_words (64): refused however stripped

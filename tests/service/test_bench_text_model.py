@@ -3,7 +3,7 @@ BENCHMARKS.md's, "Text models")."""
 
 from __future__ import annotations
 
-from service.bench.text_models import mixed_texts, text_model_table
+from service.tools.bench.text_models import mixed_texts, text_model_table
 
 
 def test_the_texts_are_mixed_lengths_of_real_prose() -> None:

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import protocol
-from service.bench import scrape
-from service.client import g2p_request
 from service.datatypes import encode_bytes
 from service.errors import MAX_MESSAGE_BYTES, QUOTE_CHARS, InvalidArgument, clip, quote
 from service.observability.logs import UnsentAnswer
 from service.observability.metrics import UNKNOWN_MODEL
+from service.tools.bench import scrape
+from service.tools.client import g2p_request
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 

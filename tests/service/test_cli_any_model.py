@@ -205,7 +205,7 @@ def test_bench_runs_any_model_from_its_metadata(served: RunningServer, tmp_path:
         run = json.loads((out / "bench.json").read_text())["concurrency 2"]
         assert run["requests"] > 0 and run["codes"] == {"OK": run["requests"]}, run
         assert sorted(p.name for p in out.iterdir()) == ["bench.json"]  # what --help says a --url run writes
-    from service.bench.any_model import model_maker, model_shape
+    from service.tools.bench.any_model import model_maker, model_shape
 
     shape = model_shape(served.url, "g2p_encoder")
     lengths = [model_maker(shape, None)(i)[1] for i in range(200)]

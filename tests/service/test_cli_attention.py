@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from service import cli
-from service.client import Client, g2p_outputs, g2p_request
+from service.tools.client import Client, g2p_outputs, g2p_request
 from tests.conftest import RunningServer
 
 ORDINARY = [

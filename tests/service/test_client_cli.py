@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.client import AsyncClient, Client, health_check
+from service.tools.client import AsyncClient, Client, health_check
 from tests.conftest import ROOT, RunningServer, start_server, stop_server
 
 
@@ -110,7 +110,7 @@ def test_client_retries_refusals_that_carry_a_pushback_hint(tmp_path: Path) -> N
     from concurrent.futures import ThreadPoolExecutor
 
     from service import protocol
-    from service.client import g2p_request
+    from service.tools.client import g2p_request
     from tests.conftest import MODELS
 
     repo = tmp_path / "models"

@@ -21,7 +21,6 @@ import grpc
 import pytest
 
 from service import protocol
-from service.client import g2p_request
 from service.errors import ResourceExhausted
 from service.scheduling import continuous as scheduler
 from service.scheduling.admission import Admission, WorkItem
@@ -30,6 +29,7 @@ from service.scheduling.continuous import BEAM, GREEDY, FairShare, GenerationSch
 from service.seq2seq.generation import BeamSearch, DecodingBatch, beam_search, greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
+from service.tools.client import g2p_request
 from tests.conftest import MODELS, start_server, stop_server
 from tests.figures import FIGURES as ALL_FIGURES
 from tests.service.queue_helpers import FLOOD_QUEUE_WAIT_MS, beam_beside_greedy_flood, until

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import protocol
-from service.client import g2p_outputs, g2p_request
 from service.datatypes import NUMPY_DTYPES, encode_bytes
 from service.frontends.codec import CONTENTS_FIELD
+from service.tools.client import g2p_outputs, g2p_request
 from tests.conftest import MODELS, RunningServer, scale_model, start_server, stop_server
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}

@@ -15,10 +15,10 @@ import tritonclient.http as h
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.bench.servers import variant
 from service.models.g2p_text import RULES, _Reader, _strip, cardinal, fold, is_symbol, ordinal, spoken_words, year
 from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
 from service.models.lexicon import LEXICON_FILE, Lexicon
+from service.tools.bench.servers import variant
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_http import post
 

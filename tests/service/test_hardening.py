@@ -26,8 +26,8 @@ import pytest
 import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
-from service.bench.servers import scrape
 from service.observability.metrics_http import BACKLOG, MAX_HEAD_BYTES
+from service.tools.bench.servers import scrape
 from tests.conftest import MODELS, RunningServer, scale_model, start_server, stop_server
 from tests.figures import FIGURES
 

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from service.bench.servers import scrape, variant
 from service.repository.layout import available_versions
+from service.tools.bench.servers import scrape, variant
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 from tests.service.queue_helpers import until, until_computing

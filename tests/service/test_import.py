@@ -4,8 +4,8 @@ import sys
 
 def test_import_service_never_imports_torch() -> None:
     code = (
-        "import sys, service, service.server, service.client, service.scheduling.batching,"
-        " service.scheduling.continuous, service.cli, service.bench;"
+        "import sys, service, service.server, service.tools.client, service.scheduling.batching,"
+        " service.scheduling.continuous, service.cli, service.tools.bench;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

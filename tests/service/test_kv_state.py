@@ -21,11 +21,11 @@ from tritonclient.utils import InferenceServerException
 
 from export import data
 from export.stateful_decoder import MODEL_NAME, write_model
-from service.incremental import IncrementalG2P, compare_with_g2p, one_shot
 from service.scheduling.sequence import SequenceBatcher, SequenceStep
 from service.scheduling.sequence_config import Control, InitialState, SequenceConfig, StateSpec
 from service.seq2seq.graphs import GRAPH_POSITIONS
 from service.seq2seq.vocab import Vocabulary
+from service.tools.incremental import IncrementalG2P, compare_with_g2p, one_shot
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 

@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import protocol
-from service.client import g2p_request
 from service.observability.metrics import UNKNOWN_MODEL
+from service.tools.client import g2p_request
 from tests.conftest import MODELS, ROOT, scale_model, start_server, stop_server
 
 

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from service import protocol
-from service.bench.servers import variant
-from service.client import g2p_request
-from service.loadgen import encoder_request
 from service.observability.metrics import seq_len_bucket
+from service.tools.bench.servers import variant
+from service.tools.client import g2p_request
+from service.tools.loadgen import encoder_request
 from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
 
 sys.path.insert(0, str(ROOT / "deploy" / "grafana"))

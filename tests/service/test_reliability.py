@@ -23,8 +23,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from service import protocol
-from service.client import Client
-from service.loadgen import closed_loop, encoder_request, open_loop, summarise
+from service.tools.client import Client
+from service.tools.loadgen import closed_loop, encoder_request, open_loop, summarise
 from tests.conftest import MODELS, start_server, stop_server
 
 SEQ = 256

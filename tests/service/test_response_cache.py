@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from service import protocol
-from service.bench import scrape, variant
 from service.callers import CALLER, Caller
-from service.client import g2p_outputs, g2p_request
 from service.errors import DeadlineExceeded
-from service.loadgen import encoder_request
 from service.models.kinds import _kept
 from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, deep_size, key
 from service.models.runtime import G2PRuntime
 from service.repository.layout import load_model_config
 from service.seq2seq.generation import Hypothesis, greedy_decode
+from service.tools.bench import scrape, variant
+from service.tools.client import g2p_outputs, g2p_request
+from service.tools.loadgen import encoder_request
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.figures import FIGURES
 from tests.service.queue_helpers import ENCODER_CACHED, ENCODER_VOCAB, blocker_request, computing_alone, model_stats

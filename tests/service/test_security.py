@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from service import protocol
-from service.client import Client, g2p_request
-from service.process import READY
+from service.tools.client import Client, g2p_request
+from service.tools.process import READY
 from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
 
 TOKENS = ["first-token", "s3cr3t-Token-two"]

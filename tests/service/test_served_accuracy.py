@@ -12,11 +12,11 @@ from export import data
 from export.evaluate import predict
 from export.quantize import quantize_graphs
 from export.scoring import score
-from service.bench import variant
-from service.client import Client
 from service.models.kinds import normalize_word
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
+from service.tools.bench import variant
+from service.tools.client import Client
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 
 

@@ -26,12 +26,12 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from service import protocol
-from service.bench.servers import scrape, variant
 from service.callers import Caller
 from service.errors import NotFound, PermissionDenied, ResourceExhausted
 from service.frontends.peers import _proc_uid, access, grpc_address, peer_uid
 from service.frontends.security import BearerTokens
 from service.frontends.shared_memory import SharedMemoryRegistry, check_may_change, peer_host
+from service.tools.bench.servers import scrape, variant
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import until_computing
 

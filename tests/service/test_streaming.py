@@ -16,8 +16,8 @@ import pytest
 import tritonclient.grpc as g
 
 from service import protocol
-from service.bench import scrape, variant
-from service.loadgen import encoder_request, g2p_word_request
+from service.tools.bench import scrape, variant
+from service.tools.loadgen import encoder_request, g2p_word_request
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.queue_helpers import blocker_request, computing_alone, model_stats
 from tests.service.test_protocol import encoder_inputs, text_input

@@ -1,6 +1,6 @@
 """Tracing end to end: a real qkv exporting through the real OTLP exporter to a real OTLP receiver.
 
-The receiver (service/bench/collector.py) implements the collector's TraceService from
+The receiver (service/tools/bench/collector.py) implements the collector's TraceService from
 opentelemetry-proto; the spans checked are those of requests sent to the server over gRPC. Then
 without a collector: an endpoint where nothing listens, and the spans printed to stdout or a file.
 """
@@ -28,11 +28,12 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from service import protocol
-from service.bench.collector import Collector
-from service.bench.servers import variant
-from service.client import Client, g2p_request, new_traceparent
-from service.config import ServerSettings
-from service.loadgen import encoder_request
+from service.config import ServerSettings, check
+from service.errors import ConfigError
+from service.tools.bench.collector import Collector
+from service.tools.bench.servers import variant
+from service.tools.client import Client, g2p_request, new_traceparent
+from service.tools.loadgen import encoder_request
 from tests.conftest import MODELS, ROOT, RunningServer, start_server, stop_server
 
 SERVER_SPAN = "inference.GRPCInferenceService/ModelInfer"
@@ -260,9 +261,9 @@ def test_otlp_over_http_and_sampling_ratio_zero_sends_nothing(tmp_path: Path, co
 def test_a_server_without_tracing_never_imports_opentelemetry(tmp_path: Path) -> None:
     code = """
 import asyncio, sys
-from service.client import AsyncClient
+from service.tools.client import AsyncClient
 from service.config import ServerSettings
-from service.loadgen import encoder_request
+from service.tools.loadgen import encoder_request
 from service.server import Server
 import numpy as np
 
@@ -386,7 +387,8 @@ def test_the_spans_of_one_qkv_infer_request_are_printed_without_a_collector(wher
 
 
 def test_spans_go_to_one_place() -> None:
-    with pytest.raises(SystemExit, match="give one of them"):
-        ServerSettings(tracing_exporter="console", tracing_file=Path("spans.jsonl"))
+    with pytest.raises(ConfigError, match="give one of them") as refused:
+        check(ServerSettings(tracing_exporter="console", tracing_file=Path("spans.jsonl")))
+    assert refused.value.key == "--tracing-file"
     assert ServerSettings(tracing_file=Path("spans.jsonl")).traced and ServerSettings(tracing_exporter="console").traced
     assert not ServerSettings().traced

@@ -23,7 +23,7 @@ import tritonclient.grpc.aio as ga
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.bench.servers import scrape
+from service.tools.bench.servers import scrape
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.service.queue_helpers import until
 

@@ -16,9 +16,9 @@ import tritonclient.grpc as g
 import tritonclient.http as h
 from onnx import TensorProto, helper
 
-from service.client import health_check
 from service.models.runtime import TensorSpec
 from service.models.warmup import dimension, graph_feeds
+from service.tools.client import health_check
 from tests.conftest import ROOT, RunningServer, scale_model, start_server, stop_server
 from tests.service.onnx_models import save
 

@@ -1,4 +1,4 @@
-"""The bench's model zoo (service/bench/zoo.py): valid ONNX that onnxruntime runs, padding and batching that
+"""The bench's model zoo (service/tools/bench/zoo.py): valid ONNX that onnxruntime runs, padding and batching that
 do not change a row's output, and a repository the server loads."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from service import protocol
-from service.bench.zoo import ZOO, ZooModel, feeds, write_zoo
+from service.tools.bench.zoo import ZOO, ZooModel, feeds, write_zoo
 from tests.conftest import start_server, stop_server
 
 TRANSFORMERS = [m for m in ZOO if m.sequence]
@@ -131,7 +131,7 @@ def test_the_server_loads_the_zoo(tmp_path: Path) -> None:
 
 def test_the_zoo_benchmark_measures_each_cell_against_its_ceiling_and_the_fixed_defaults(tmp_path: Path) -> None:
     """A short `qkv bench --zoo` on the smallest model: every figure the table is made of is measured."""
-    from service.bench.zoo_bench import SLICES, zoo_benchmark
+    from service.tools.bench.zoo_bench import SLICES, zoo_benchmark
 
     small = tuple(m for m in ZOO if m.name == "zoo_small")
     start = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from service.bench.text_models import mixed_texts
+from service.tools.bench.text_models import mixed_texts
 
 # What sentence-transformers keeps beside the weights: copied next to the export (optimum writes the graph,
 # the tokenizer and config.json; pooling, normalization and max_seq_length live in these).

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.process import ServerProcess, start_server, stop_server
+from service.tools.process import ServerProcess, start_server, stop_server
 from tests.triton_examples.build import build
 
 HERE = Path(__file__).resolve().parent

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tokenizers import Encoding
 
-from service import priority
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import ModelStats, Result, TensorModel, check_outputs
@@ -35,6 +34,7 @@ from service.models.text.pooling import activate, l2_normalized, pool, pool_wind
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_encoding
 from service.observability.metrics import ModelObserver
+from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import Admission, WorkItem
 from service.scheduling.config import BatchingConfig
@@ -67,8 +67,9 @@ class _Encoder(TensorModel):
     embeddings or scores on the instance's thread, so the event loop only gathers vectors."""
 
     def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver,
-                 head: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray], output: str) -> None:  # fmt: skip
-        super().__init__(config, runtime, observer)
+                 head: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray], output: str,
+                 compute: ComputeThreads) -> None:  # fmt: skip
+        super().__init__(config, runtime, observer, compute)
         self.head, self.output = head, output
 
     def warm_up(self, length: int = 64) -> None:
@@ -101,7 +102,9 @@ class TextModel:
     platform = "qkv_text"
     compute_span = "qkv.compute"
 
-    def __init__(self, config: ModelConfig, providers: list[Any], observer: ModelObserver) -> None:
+    def __init__(
+        self, config: ModelConfig, providers: list[Any], observer: ModelObserver, compute: ComputeThreads
+    ) -> None:
         where = f"model '{config.name}' version {config.version}"
         self.settings: TextSettings = read_settings(config.directory, config.text, where)
         s = self.settings
@@ -110,7 +113,7 @@ class TextModel:
         batching = replace(config.batching, **{k: v for k, v in QUEUE_DEFAULTS.items() if k not in given})
         inner = replace(config, kind="tensor", sequence_axis=1, inputs=(), outputs=(), batching=batching,
                         limits={"max_sequence_length": s.max_length})  # fmt: skip
-        runtime = priority.run_lowered(partial(TensorRuntime, inner, providers))
+        runtime = compute.run_lowered(partial(TensorRuntime, inner, providers))
         graph_inputs = {i.name for i in runtime.inputs}
         unknown = sorted(graph_inputs - set(GRAPH_INPUTS))
         if unknown or not {"input_ids", "attention_mask"} <= graph_inputs:
@@ -120,7 +123,7 @@ class TextModel:
             )
         self.with_types = "token_type_ids" in graph_inputs
         output, self.dim = self._graph_output(runtime.outputs, where)
-        self.encoder = _Encoder(inner, runtime, observer, self._head, output)
+        self.encoder = _Encoder(inner, runtime, observer, self._head, output, compute)
         self.observer = observer
         self.config = replace(config, outputs=self._declared())
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
@@ -447,6 +450,8 @@ def _texts(array: np.ndarray, field: str, limit: int, strip: bool) -> list[str]:
     return out
 
 
-def build_text_model(config: ModelConfig, providers: list[Any], observer: ModelObserver) -> TextModel:
-    """A version of the text kind, sessions built, not yet warm."""
-    return TextModel(config, providers, observer)
+def build_text_model(
+    config: ModelConfig, providers: list[Any], observer: ModelObserver, compute: ComputeThreads
+) -> TextModel:
+    """A version of the text kind, sessions built, not yet warm, its threads run as `compute` says."""
+    return TextModel(config, providers, observer, compute)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["CACHE", "PEERS", "ensure", "freeze", "pins", "serve_pin"]
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 CACHE = Path(os.environ.get("QKV_PEERS_CACHE", ROOT / ".peers"))  # gitignored
 PEERS = ("plain", "triton", "mlserver")
 

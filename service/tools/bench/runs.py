@@ -19,11 +19,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from service import loadgen
-from service.bench.ceilings import kv_cache
-from service.bench.load import encoder_maker, held_out_words, run_closed, vocab_size, word_maker
-from service.bench.report import plots, targets_table
-from service.bench.sections import (
+from service.tools import loadgen
+from service.tools.bench.ceilings import kv_cache
+from service.tools.bench.load import encoder_maker, held_out_words, run_closed, vocab_size, word_maker
+from service.tools.bench.report import plots, targets_table
+from service.tools.bench.sections import (
     beam_section,
     ceiling_section,
     continuous_section,
@@ -33,8 +33,8 @@ from service.bench.sections import (
     overload_section,
     tracing_section,
 )
-from service.bench.servers import Servers, cpus
-from service.process import start_server, stop_server
+from service.tools.bench.servers import Servers, cpus
+from service.tools.process import start_server, stop_server
 
 __all__ = ["SECTIONS", "perf_analyzer_crosscheck", "soak", "suite"]
 

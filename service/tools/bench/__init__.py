@@ -32,16 +32,17 @@ from typing import Any
 
 import grpc
 
-from service import loadgen, protocol
-from service.bench.any_model import model_maker, model_shape
-from service.bench.ceilings import in_process_latency, raw_ceiling
-from service.bench.load import by_length, run_closed, run_open
-from service.bench.report import targets_table
-from service.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
-from service.bench.servers import padding_share, scrape, variant
-from service.cli import UsageError, in_range, readable_file
+from service import protocol
 from service.config import DEFAULT_URL, server_url
+from service.errors import UsageError, in_range, readable_file
 from service.seq2seq.graphs import session_options
+from service.tools import loadgen
+from service.tools.bench.any_model import model_maker, model_shape
+from service.tools.bench.ceilings import in_process_latency, raw_ceiling
+from service.tools.bench.load import by_length, run_closed, run_open
+from service.tools.bench.report import targets_table
+from service.tools.bench.runs import SECTIONS, perf_analyzer_crosscheck, soak, suite
+from service.tools.bench.servers import padding_share, scrape, variant
 
 # The parts: ceilings (in process, no server: every ratio's denominator), servers (repository
 # variants taking turns), load (what is sent), sections (the suite's, one function each), runs
@@ -109,13 +110,13 @@ def main(argv: list[str]) -> int:
         )
         return 0
     if args.zoo:
-        from service.bench.zoo_bench import zoo_benchmark, zoo_table
+        from service.tools.bench.zoo_bench import zoo_benchmark, zoo_table
 
         print(zoo_table(zoo_benchmark(args.out, args.seconds)))
         print(f"wrote {args.out / 'zoo.json'}, {args.out / 'zoo.md'}")
         return 0
     if args.peers:
-        from service.bench.peers import peers_benchmark, peers_table
+        from service.tools.bench.peers import peers_benchmark, peers_table
 
         python = {k: Path(v).absolute() for k, _, v in (x.partition("=") for x in args.peer_python)}
         peer_set = tuple(args.peer_set.split(",")) if args.peer_set else ()
@@ -124,38 +125,38 @@ def main(argv: list[str]) -> int:
         print(f"wrote {args.out / 'peers.json'}, {args.out / 'peers.md'}")
         return 0
     if args.protocols:
-        from service.bench.protocols import protocols, protocols_table
+        from service.tools.bench.protocols import protocols, protocols_table
 
         print(protocols_table(protocols(args.model_repository, args.out, args.seconds)))
         print(f"wrote {args.out / 'protocols.json'}")
         return 0
     if args.lexicon:
-        from service.bench.text import lexicon_bench, lexicon_table
+        from service.tools.bench.text import lexicon_bench, lexicon_table
 
         print(lexicon_table(lexicon_bench(args.model_repository, args.out)))
         print(f"wrote {args.out / 'lexicon.json'}, {args.out / 'lexicon.md'}")
         return 0
     if args.text or args.text_file:
-        from service.bench.text import text_bench, text_table
+        from service.tools.bench.text import text_bench, text_table
 
         print(text_table(text_bench(args.model_repository, args.out, args.seconds, args.text_file)))
         print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
         return 0
     if args.text_model:
-        from service.bench.text_models import text_model_bench, text_model_table
+        from service.tools.bench.text_models import text_model_bench, text_model_table
 
         print(text_model_table(text_model_bench(args.text_model, args.out, args.seconds, args.text_source)))
         print(f"wrote {args.out / 'text_model.json'}")
         return 0
     if args.sequences:
-        from service.bench.sequences import sequences_bench, sequences_table
+        from service.tools.bench.sequences import sequences_bench, sequences_table
 
         print(sequences_table(sequences_bench(args.out, args.seconds)))
         print(f"wrote {args.out / 'sequences.json'}")
         return 0
     if args.versions:
-        from service.bench.versions import versions, versions_table
         from service.repository.layout import model_cards
+        from service.tools.bench.versions import versions, versions_table
 
         measured = versions(args.model_repository, args.out, args.seconds)
         table = versions_table(measured, model_cards(args.model_repository / "g2p"))
@@ -222,7 +223,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.peers:
         _check_peers(args.peer_set, args.peer_python)
     if args.text or args.text_file:
-        from service.bench.text import corpus_files
+        from service.tools.bench.text import corpus_files
 
         corpus_files(args.text_file)  # the corpus there, or how to get it
     given, args.model_repository = args.model_repository is not None, args.model_repository or Path("models")
@@ -233,7 +234,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _check_peers(peer_set: str, peer_python: list[str]) -> None:
     """--peer-set names known peers; each --peer-python is PEER=PYTHON with an interpreter that exists."""
-    from service.bench.peers import PEERS
+    from service.tools.bench.peers import PEERS
 
     unknown = set(filter(None, peer_set.split(","))) - set(PEERS)
     if unknown:

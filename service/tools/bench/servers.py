@@ -20,9 +20,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from service import loadgen, protocol
-from service.process import ServerProcess, start_server, stop_server
+from service import protocol
 from service.repository.layout import available_versions
+from service.tools import loadgen
+from service.tools.process import ServerProcess, start_server, stop_server
 
 __all__ = [
     "ROUNDS",

@@ -1,6 +1,6 @@
 """A small Python client for qkv (any v2-protocol server), sync and asyncio, with deadlines.
 
-    from service.client import Client
+    from service.tools.client import Client
     with Client("127.0.0.1:8001") as c:
         print(c.g2p(["attention", "transformer"]))      # ['AH0 T EH1 N SH AH0 N', ...]
 
@@ -36,6 +36,7 @@ __all__ = [
     "g2p_request",
     "health_check",
     "new_traceparent",
+    "rpc_problem",
     "trace_id",
     "trace_metadata",
     "unreachable",
@@ -300,3 +301,8 @@ def health_check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def rpc_problem(error: Any, url: str) -> str:
+    """A failed call as the tools say it: the status and why, the address named where none was reached."""
+    return f"{error.code().name}: {unreachable(error, url) or error.details()}"

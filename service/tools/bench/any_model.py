@@ -18,10 +18,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from service import loadgen, protocol
-from service.bench.load import held_out_words, word_maker
+from service import protocol
 from service.datatypes import NUMPY_DTYPES
-from service.tensor_io import request
+from service.tools import loadgen
+from service.tools.bench.load import held_out_words, word_maker
+from service.tools.tensor_io import request
 
 __all__ = ["DEFAULT_LENGTH", "ModelShape", "model_maker", "model_shape"]
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from service import loadgen
-from service.bench.servers import Servers, bare_rpc, cpus, median_of, paired_ratio, process_cpu, scrape
+from service.tools import loadgen
+from service.tools.bench.servers import Servers, bare_rpc, cpus, median_of, paired_ratio, process_cpu, scrape
 
 __all__ = [
     "CONCURRENT",

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from service import loadgen
-from service.bench.ceilings import g2p_compute_bound, in_process_latency, raw_ceiling
-from service.bench.load import by_length, encoder_maker, run_closed, run_open, word_maker, words_maker
-from service.bench.servers import Servers, bare_rpc, cpus, padding_share, paired_ratio, process_cpu, take_turns
-from service.process import ServerProcess
+from service.tools import loadgen
+from service.tools.bench.ceilings import g2p_compute_bound, in_process_latency, raw_ceiling
+from service.tools.bench.load import by_length, encoder_maker, run_closed, run_open, word_maker, words_maker
+from service.tools.bench.servers import Servers, bare_rpc, cpus, padding_share, paired_ratio, process_cpu, take_turns
+from service.tools.process import ServerProcess
 
 __all__ = [
     "beam_section",
@@ -193,7 +193,7 @@ def tracing_section(servers: Servers, vocab: int, seconds: float, results: dict[
     process, as to a collector on the same machine) vs tracing off; short requests (seq 16, c16), where
     tracing weighs most."""
     try:
-        from service.bench.collector import Collector  # the trace extra: imported only for this section
+        from service.tools.bench.collector import Collector  # the trace extra: imported only for this section
     except ModuleNotFoundError as e:
         results["tracing_overhead"] = {"skipped": f"needs the trace extra ({e.name})"}
         return

@@ -108,8 +108,7 @@ def main(
 ) -> int:
     import grpc
 
-    from service.cli import rpc_problem
-    from service.client import g2p_outputs, g2p_request
+    from service.tools.client import g2p_outputs, g2p_request, rpc_problem
 
     parser = argparse.ArgumentParser(prog="qkv attention", description=__doc__)
     parser.add_argument("text", help="a word, or any text: each word it reads gets a map")

@@ -1,6 +1,6 @@
 """`qkv bench --peers`: qkv beside Triton, MLServer and a plain grpc.aio server, one model, one run.
 
-The model is the zoo's `zoo_medium` (service/bench/zoo.py: encoder, 4 layers, d 256, random weights, its
+The model is the zoo's `zoo_medium` (service/tools/bench/zoo.py: encoder, 4 layers, d 256, random weights, its
 output mean-pooled), a model qkv did not train. Four servers serve it on 127.0.0.1, each from its own
 process and environment:
 - qkv, as `qkv bench --zoo` starts it (its batching tuned from the model's measured cost);
@@ -8,7 +8,7 @@ process and environment:
 - MLServer: its adaptive batching (max_batch_size, max_batch_time) before a custom onnxruntime runtime;
 - a plain grpc.aio server: no batching, one session with every core, ModelInfer only.
 The peers' code is in this folder (`*_peer.py`), run by their own environments' Python (`envs.py`); none
-of it is imported by qkv. One load generator (service/loadgen.py, raw v2 stubs) drives all four.
+of it is imported by qkv. One load generator (service/tools/loadgen.py, raw v2 stubs) drives all four.
 
 Each cell, seq 16, 64 and 256 at concurrency 32, and seq 64 at concurrency 1, is measured in slices
 that alternate between the in-process ceiling and the servers, forwards then backwards, so that every
@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service import loadgen
-from service.bench.load import run_closed
-from service.bench.peers.envs import CACHE, PEERS, ensure, freeze
-from service.bench.peers.launch import Peer, start_peer, stop_peer, wait_ready
-from service.bench.servers import Servers, cpus
-from service.bench.zoo import ZOO, write_zoo
-from service.bench.zoo_bench import InProcess
 from service.seq2seq.graphs import session_options
+from service.tools import loadgen
+from service.tools.bench.load import run_closed
+from service.tools.bench.peers.envs import CACHE, PEERS, ensure, freeze
+from service.tools.bench.peers.launch import Peer, start_peer, stop_peer, wait_ready
+from service.tools.bench.servers import Servers, cpus
+from service.tools.bench.zoo import ZOO, write_zoo
+from service.tools.bench.zoo_bench import InProcess
 
 __all__ = ["LENGTHS", "PEERS", "peers_benchmark", "peers_table"]
 

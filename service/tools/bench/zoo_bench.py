@@ -1,6 +1,6 @@
 """`qkv bench --zoo`: how well qkv serves models it did not train, with the batching it tunes itself.
 
-The zoo (service/bench/zoo.py: encoders small to large, a decoder-only model, an MLP with no sequence
+The zoo (service/tools/bench/zoo.py: encoders small to large, a decoder-only model, an MLP with no sequence
 axis, random weights) is written as a repository and served by two servers at once: one with the
 settings tuned from each model's measured cost (service/scheduling/tuning.py), one with the fixed defaults qkv had
 before (`FIXED`). Each cell, a model at a sequence length and a concurrency, is set beside its
@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from service import loadgen, protocol
-from service.bench.load import run_closed
-from service.bench.servers import Servers
-from service.bench.zoo import ZOO, ZooModel, feeds, write_zoo
+from service import protocol
 from service.seq2seq.graphs import session_options
+from service.tools import loadgen
+from service.tools.bench.load import run_closed
+from service.tools.bench.servers import Servers
+from service.tools.bench.zoo import ZOO, ZooModel, feeds, write_zoo
 
 __all__ = ["FIXED", "zoo_benchmark", "zoo_table"]
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from service import loadgen
-from service.bench.load import held_out_words, run_closed, word_maker
-from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
-from service.bench.servers import Servers
 from service.repository.layout import available_versions
+from service.tools import loadgen
+from service.tools.bench.load import held_out_words, run_closed, word_maker
+from service.tools.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
+from service.tools.bench.servers import Servers
 
 __all__ = ["versions", "versions_table"]
 

@@ -23,17 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from service import loadgen, protocol
-from service.bench.load import run_closed
+from service import protocol
 from service.datatypes import encode_bytes
-from service.process import start_server, stop_server
+from service.tools import loadgen
+from service.tools.bench.load import run_closed
+from service.tools.process import start_server, stop_server
 
 __all__ = ["Ceiling", "mixed_texts", "text_model_bench", "text_model_table"]
 
 BATCHES = (1, 4, 8, 16, 32)
 ROUNDS = 3  # served runs at each concurrency, each between two in-process runs
 CONCURRENCY = (1, 32)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def mixed_texts(count: int = 256, long_every: int = 10, joined: int = 3, short_words: int = 20) -> list[str]:

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from service import loadgen
-from service.bench.load import encoder_maker, run_closed, vocab_size
-from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
-from service.bench.servers import Servers
+from service.tools import loadgen
+from service.tools.bench.load import encoder_maker, run_closed, vocab_size
+from service.tools.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
+from service.tools.bench.servers import Servers
 
 __all__ = ["http_body", "protocols", "protocols_table"]
 

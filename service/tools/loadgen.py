@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from service import protocol
-from service.client import g2p_request
+from service.tools.client import g2p_request
 
 __all__ = ["Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "open_loop", "own_cpu", "summarise"]
 

@@ -1,13 +1,13 @@
 """Incremental decoding through a stateful model: one tritonclient request per output token.
 
-    from service.incremental import IncrementalG2P
+    from service.tools.incremental import IncrementalG2P
     decoder = IncrementalG2P("127.0.0.1:8001")                # g2p_decoder (export/stateful_decoder.py)
     decoder.phonemes("attention")                              # ['AH0', 'T', 'EH1', 'N', 'SH', 'AH0', 'N']
 
 The server keeps the word's encoding and the key/value cache between the requests of a sequence
 (docs/sequences.md, "Incremental decoding"); the client sends the word once, then one token a request.
 
-    python -m service.incremental [--url 127.0.0.1:8001] [--words export/data/split/test.txt]
+    python -m service.tools.incremental [--url 127.0.0.1:8001] [--words export/data/split/test.txt]
 
 decodes every word of the file both ways, through g2p_decoder and through g2p in one request, and prints
 how many answers are equal.
@@ -161,7 +161,7 @@ def compare_with_g2p(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.incremental", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m service.tools.incremental", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--url", default=server_url(), help=f"the server's gRPC address (default: $QKV_URL, else {DEFAULT_URL})"
     )

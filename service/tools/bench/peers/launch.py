@@ -25,7 +25,7 @@ from service import protocol
 __all__ = ["Peer", "start_peer", "stop_peer", "wait_ready"]
 
 HERE = Path(__file__).resolve().parent
-DESCRIPTORS = HERE.parents[1] / "protocol" / "inference.binpb"
+DESCRIPTORS = HERE.parents[2] / "protocol" / "inference.binpb"
 
 
 @dataclass

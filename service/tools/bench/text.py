@@ -1,3 +1,4 @@
+# Over 500 lines: one bench section whole (text through g2p): its corpus, runs and tables.
 """`qkv bench --text`: g2p on English text as people write it, with the response cache on and off.
 
 Real traffic (a text-to-speech front end) is text, where a few hundred words make up half of all
@@ -39,16 +40,17 @@ from typing import Any
 import grpc
 import numpy as np
 
-from service import loadgen, protocol
-from service.bench.load import run_closed
-from service.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
-from service.bench.servers import Servers
-from service.cli import UsageError
-from service.client import g2p_request
+from service import protocol
+from service.errors import UsageError
 from service.models.g2p_text import spoken_words
 from service.models.kinds import normalize_word
-from service.process import ServerProcess
 from service.repository.layout import available_versions
+from service.tools import loadgen
+from service.tools.bench.load import run_closed
+from service.tools.bench.sections import THROUGHPUT_QUEUE_WAIT_MS
+from service.tools.bench.servers import Servers
+from service.tools.client import g2p_request
+from service.tools.process import ServerProcess
 
 __all__ = [
     "FORTUNES",

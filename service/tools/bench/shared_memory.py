@@ -1,6 +1,6 @@
 """System shared memory against plain gRPC: 8 MiB in and 8 MiB out through an Identity FP32 model, concurrency 1.
 
-    .venv/bin/python -m service.bench.shared_memory [--rounds 60] [--mib 8]
+    .venv/bin/python -m service.tools.bench.shared_memory [--rounds 60] [--mib 8]
 
 Starts a server on loopback (port 0) with a one-model repository in a temporary directory and sends
 the same tensor both ways, alternating, one request at a time: plain, the tensor in raw_input_contents
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
 
 from service import protocol
-from service.process import start_server, stop_server
+from service.tools.process import start_server, stop_server
 
 __all__ = ["main"]
 
@@ -60,7 +61,9 @@ def _one(fn: Callable[[], np.ndarray]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.bench.shared_memory", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m service.tools.bench.shared_memory", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=60, help="requests measured each way")
     parser.add_argument("--mib", type=int, default=8, help="MiB in, and out")
     args = parser.parse_args(argv)
@@ -122,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

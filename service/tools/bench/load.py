@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from service import loadgen
-from service.client import g2p_request
+from service.tools import loadgen
+from service.tools.client import g2p_request
 
 __all__ = [
     "by_length",
@@ -32,7 +32,7 @@ __all__ = [
     "words_maker",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def vocab_size(models: Path) -> int:
