@@ -31,7 +31,7 @@ from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import ModelStats, Result, TensorModel, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
-from service.models.text.batching import SHORT_LENGTH, SHORT_ROWS, batch_fixed, short_batches, text_tuning
+from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_encoding
@@ -72,15 +72,15 @@ class _Encoder(TensorModel):
         """The tensor kind's warm-up and sweep, then a batch's own cost timed on short rows as served, and the
         batching settings from both (service/models/text/batching.py)."""
         super().warm_up(length)
-        if self.tuning is None or self.batcher.cost is None:
-            return
-        short = min(SHORT_LENGTH, length)
-        one, many = short_batches(lambda rows: self.batcher.served_seconds(partial(self._batch_of, short, rows)))
-        self.tuning = text_tuning(self.tuning, self.batcher.cost, batch_fixed(one, many), length)
+        if self.tuning is None or self.batcher.cost is None or length < SENTENCE_TOKENS:
+            return  # a model of fewer tokens than the short rows keeps the sweep's settings
+        short = short_rows(lambda n, rows: self.batcher.served_seconds(partial(self._batch_of, n, rows)))
+        self.tuning = text_tuning(self.tuning, self.batcher.cost, short, length)
         self.batcher.use(self.tuning, self.batcher.cost)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
-        log.info("batching %s (text: 1 and %d rows of %d tokens took %.3f and %.3f ms)", self.tuning.summary(self.name),
-                 SHORT_ROWS, short, one * 1e3, many * 1e3)  # fmt: skip
+        log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
+                 self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
+                 short.many * 1e3, short.sentence * 1e3)  # fmt: skip
 
     def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
         """The tensor kind's batch (a request that fails gets its error alone), each answer pooled."""
