@@ -57,3 +57,14 @@ def test_the_table_gives_each_ratio_against_the_runs_beside_it() -> None:
     skipped = {**result, "infinity": {"skipped": "its engine failed"}}
     del skipped["http_c32_over_infinity"]
     assert "infinity-emb not measured: its engine failed" in text_model_table(skipped)
+
+
+def test_infinity_emb_gets_its_own_environment_at_the_repository_s_pins() -> None:
+    from service.bench.peers.envs import PEERS, TEXT_PEERS, lock_pin, pins
+
+    wanted = pins("infinity")
+    assert "infinity" in TEXT_PEERS and "infinity" not in PEERS  # the text bench's peer, not --peers'
+    assert wanted[0] == "infinity-emb[optimum,server]==0.0.78"
+    assert "numpy==1.26.4" in wanted  # infinity-emb requires numpy < 2
+    for package, lock in (("onnxruntime", "serve"), ("tokenizers", "serve"), ("torch", "hf"), ("optimum", "hf")):
+        assert lock_pin(package, lock) in wanted
