@@ -1,9 +1,12 @@
-"""`qkv bench --text-model`'s own parts, without a model: its texts and its table (the runs themselves are
-BENCHMARKS.md's, "Text models")."""
+"""`qkv bench --text-model`'s own parts, without a served model: its texts, their cut, and its table (the
+runs themselves are BENCHMARKS.md's, "Text models")."""
 
 from __future__ import annotations
 
-from service.tools.bench.text_models import mixed_texts, text_model_table
+import pytest
+
+from service.tools.bench.text_models import cut_texts, mixed_texts, text_model_table
+from tests.service.text_models import minilm_source
 
 
 def test_the_texts_are_mixed_lengths_of_real_prose() -> None:
@@ -13,15 +16,55 @@ def test_the_texts_are_mixed_lengths_of_real_prose() -> None:
     assert sum(1 for n in words if n <= 20) >= 30
 
 
+def test_texts_are_cut_at_a_token_end_so_every_system_runs_the_same_tokens(request: pytest.FixtureRequest) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(minilm_source(request.config.cache) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    texts = mixed_texts(40)
+    cut = cut_texts(texts, tokenizer, 256)
+    before = [len(e.ids) for e in tokenizer.encode_batch(texts)]
+    after = [len(e.ids) for e in tokenizer.encode_batch(cut)]
+    assert max(before) > 256 and max(after) == 256
+    for text, short, n, m in zip(texts, cut, before, after, strict=True):
+        assert (short == text) == (n <= 256)  # only the long ones are cut, and only as far as needed
+        assert text.startswith(short) and m == min(n, 256)
+
+
 def test_the_table_gives_each_ratio_against_the_runs_beside_it() -> None:
     runs = [{"rps": r, "p50_ms": p, "p99_ms": 2 * p} for r, p in ((45.0, 20.0), (40.0, 22.0), (50.0, 18.0))]
+    slow = [{"rps": r, "p50_ms": p, "p99_ms": 2 * p} for r, p in ((15.0, 200.0), (10.0, 220.0), (20.0, 180.0))]
     result = {
-        "ceiling": {"best": "2x1 b4", "texts_per_s": 50.0},
+        "mean_tokens": 100.0,
+        "single_tokens": 30,
+        "ceiling": {"best": "2x1 b4"},
         "c1": [{**x, "in_process_ms": 16.0} for x in runs],
-        "c32": [{**x, "ceiling": 50.0} for x in runs],
+        "c32": [{**x, "ceiling": 50.0, "rows_per_run": 5.0} for x in runs],
+        "http_c32": runs,
+        "infinity": {"c1": slow, "c32": slow},
         "c32_over_ceiling": 0.9,
         "c1_p50_over_single": 1.25,
+        "http_c32_over_infinity": 3.0,
     }
     table = text_model_table(result)
-    assert "| qkv, text in, c32 | 45.0 | 20.00 | 40.00 |" in table
-    assert "c32 / ceiling: 0.90; c1 p50 / in-process single call: 1.25" in table
+    assert "| in-process ceiling (2x1 b4), beside each c32 run | 50.0 | 5000 | | |" in table
+    assert "| qkv, v2 gRPC, text in, c32 | 45.0 | 4500 | 20.00 | 40.00 |" in table
+    assert "| qkv, v2 gRPC, text in, c1 | 45.0 | 1350 | 20.00 | 40.00 |" in table  # a 20-word text's tokens
+    assert "| infinity-emb (optimum), OpenAI HTTP /embeddings, c32 | 15.0 | 1500 | 200.00 | 400.00 |" in table
+    assert "c32 / ceiling: 0.90; c1 p50 / in-process single call: 1.25; mean rows per run at c32: 5.0" in table
+    assert "qkv HTTP c32 / infinity-emb c32: 3.00" in table
+    skipped = {**result, "infinity": {"skipped": "its engine failed"}}
+    del skipped["http_c32_over_infinity"]
+    assert "infinity-emb not measured: its engine failed" in text_model_table(skipped)
+
+
+def test_infinity_emb_gets_its_own_environment_at_the_repository_s_pins() -> None:
+    from service.tools.bench.peers.envs import PEERS, TEXT_PEERS, lock_pin, pins
+
+    wanted = pins("infinity")
+    assert "infinity" in TEXT_PEERS and "infinity" not in PEERS  # the text bench's peer, not --peers'
+    assert wanted[0] == "infinity-emb[optimum,server]==0.0.78"
+    assert "numpy==1.26.4" in wanted  # infinity-emb requires numpy < 2
+    for package, lock in (("onnxruntime", "serve"), ("tokenizers", "serve"), ("torch", "hf"), ("optimum", "hf")):
+        assert lock_pin(package, lock) in wanted

@@ -30,6 +30,7 @@ from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
 from service.models.kinds import ModelStats, Result, TensorModel, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
+from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_encoding
@@ -53,10 +54,6 @@ THREAD_TEXT_BYTES = 1 << 12
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EMBEDDING_OUTPUTS = ("token_embeddings", "last_hidden_state")
 POOLED = "POOLED"  # what a batch step hands back: (rows, D) pooled, or (rows, C) scores
-# A tuned batch holds at least this many texts of the warm-up's length. On CPU an encoder's throughput is
-# about flat from one row up, so the sweep's rule alone (the fewest tokens within 97 % of the best) chose
-# one row of 64 tokens: under c32 every request then ran alone, paying its own hand-off and wake-up.
-MIN_BATCH_ROWS = 8
 # Queue bounds of the text kind where config.json gives none: a request is many texts (its rows are queued
 # as several items), and a client sending a corpus would rather wait than be refused a second's work.
 QUEUE_DEFAULTS: dict[str, Any] = {"max_queue_wait_ms": 10_000.0, "max_queue_tokens": 1 << 19}
@@ -73,16 +70,18 @@ class _Encoder(TensorModel):
         self.head, self.output = head, output
 
     def warm_up(self, length: int = 64) -> None:
-        """The tensor kind's warm-up and tuning, then a token budget of at least MIN_BATCH_ROWS texts."""
+        """The tensor kind's warm-up and sweep, then a batch's own cost timed on short rows as served, and the
+        batching settings from both (service/models/text/batching.py)."""
         super().warm_up(length)
-        tuning, floor = self.tuning, MIN_BATCH_ROWS * length
-        if tuning is None or self.batcher.cost is None or "token_budget" in self.config.batching_given:
-            return
-        if tuning.config.token_budget < floor:
-            reasons = tuning.reasons | {"token_budget": f"at least {MIN_BATCH_ROWS} texts of {length} tokens"}
-            self.tuning = replace(tuning, config=replace(tuning.config, token_budget=floor), reasons=reasons)
-            self.batcher.use(self.tuning, self.batcher.cost)
-            log.info("model '%s': token_budget %d (%s)", self.name, floor, reasons["token_budget"])
+        if self.tuning is None or self.batcher.cost is None or length < SENTENCE_TOKENS:
+            return  # a model of fewer tokens than the short rows keeps the sweep's settings
+        short = short_rows(lambda n, rows: self.batcher.served_seconds(partial(self._batch_of, n, rows)))
+        self.tuning = text_tuning(self.tuning, self.batcher.cost, short, length)
+        self.batcher.use(self.tuning, self.batcher.cost)
+        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
+        log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
+                 self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
+                 short.many * 1e3, short.sentence * 1e3)  # fmt: skip
 
     def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
         """The tensor kind's batch (a request that fails gets its error alone), each answer pooled."""
