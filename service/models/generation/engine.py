@@ -92,11 +92,15 @@ class Engine:
 
     def __init__(self, name: str, graph: CausalGraph | Seq2SeqGraphs, eos: tuple[int, ...], decoder_start: int,
                  max_positions: int, cache_budget: int, step_tokens: int, max_running: int, max_waiting: int,
-                 observer: EngineObserver | None = None) -> None:  # fmt: skip
+                 observer: EngineObserver | None = None, min_join: int = 1,
+                 join_delay: float = 0.0) -> None:  # fmt: skip
         self.name, self.graph, self.eos = name, graph, frozenset(eos)
         self.decoder_start, self.max_positions = decoder_start, max_positions
         self.cache_budget, self.step_tokens = cache_budget, step_tokens
         self.max_running, self.max_waiting = max_running, max_waiting
+        # An encoder-decoder's new sequences join a running batch together, at least `min_join` of them (or
+        # fewer once the oldest has waited `join_delay` s): its decoder rows run in groups of equal length.
+        self.min_join, self.join_delay = min_join, join_delay
         self.observer: EngineObserver = observer or _NoObserver()
         self.encoder_decoder = isinstance(graph, Seq2SeqGraphs)
         past = graph.past
@@ -236,6 +240,10 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting sequences join, in order, while the running batch and the cache budget have room."""
+        if self.encoder_decoder and self.running and self.waiting:
+            room = min(self.min_join, self.max_running - len(self.running))
+            if len(self.waiting) < room and time.monotonic() - self.waiting[0].arrived < self.join_delay:
+                return  # a few more, and they decode as one group
         while self.waiting and len(self.running) < self.max_running:
             s = self.waiting[0]
             if self.reserved + s.reserved > self.cache_budget and self.running:
@@ -321,9 +329,12 @@ class Engine:
             for a, c in zip(past, s.cache if n else (), strict=False):
                 a[r, :, p - n :] = c
         logits, present = graph.run(ids, mask, positions, past)
-        for r, (s, new) in enumerate(rows):
-            keep = np.flatnonzero(mask[r])
-            s.cache = [np.ascontiguousarray(a[r][:, keep]) for a in present]
+        for r, ((s, new), n) in enumerate(zip(rows, lengths, strict=True)):
+            if len(new) == t:  # its positions are the last n + t: a view, copied once, into the next step's past
+                s.cache = [a[r, :, p - n :] for a in present]
+            else:
+                keep = np.flatnonzero(mask[r])
+                s.cache = [np.ascontiguousarray(a[r][:, keep]) for a in present]
             if s.done < len(s.prompt):
                 s.done += len(new)
             if emits[r]:

@@ -47,6 +47,11 @@ log = logging.getLogger("qkv.models")
 CACHE_BUDGET = 1 << 30  # key/value cache bytes the running sequences may reserve (limits.cache_bytes)
 STEP_TOKENS = 256  # tokens a step runs, decoding and prefill together (batching.token_budget when given)
 MAX_RUNNING = 64  # sequences in the running batch (batching.max_batch_size when given)
+# An encoder-decoder's new sequences join a running batch this many together, or fewer after this wait
+# (batching.min_join_rows, batching.max_queue_delay_ms when given): T5's decoder rows run in groups of equal
+# length, so sequences that join one at a time each decode in a call of their own.
+MIN_JOIN = 8
+JOIN_DELAY_MS = 20.0
 MAX_TEXT_BYTES = 1 << 20
 OUTPUTS = (("text_output", "BYTES"), ("finish_reason", "BYTES"), ("prompt_tokens", "INT64"),
            ("completion_tokens", "INT64"))  # fmt: skip
@@ -94,6 +99,8 @@ class GenerationModel:
             max_running=config.batching.max_batch_size if "max_batch_size" in given else MAX_RUNNING,
             max_waiting=config.batching.max_queue_requests,
             observer=observer.generation(budget) if observer is not None else None,
+            min_join=config.batching.min_join_rows if "min_join_rows" in given else MIN_JOIN,
+            join_delay=(config.batching.max_queue_delay_ms if "max_queue_delay_ms" in given else JOIN_DELAY_MS) / 1e3,
         )  # fmt: skip
         self.inputs = [TensorSpec("text_input", "BYTES", (1,), (None,))]
         self.outputs = [TensorSpec(n, t, (1,), (None,)) for n, t in OUTPUTS]
