@@ -109,6 +109,10 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
+        # An encoder-decoder's decoding groups of the last step (their sequences' ids): the encoder mask and
+        # the step's outputs, the next step's past if the group is the same.
+        self._groups: dict[tuple[int, ...], tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._next_groups: dict[tuple[int, ...], tuple[np.ndarray, list[np.ndarray]]] = {}
         self.decode_seconds = 0.0  # a decoding call's time, smoothed (decoder-only)
         self.token_seconds = 0.0  # a prefill call's time per prompt token, smoothed
         self.steps = 0
@@ -348,8 +352,10 @@ class Engine:
         groups: dict[int, list[Sequence]] = {}
         for i in plan.decode:
             groups.setdefault(running[i].length, []).append(running[i])
+        self._next_groups = {}
         for group in groups.values():
             self._seq2seq_decode(group)
+        self._groups = self._next_groups  # what the next step may take as it is
         if plan.prefill:
             self._seq2seq_start(sorted((running[i] for i, _ in plan.prefill), key=lambda s: len(s.prompt)))
 
@@ -374,29 +380,36 @@ class Engine:
             self._advance(s, logits[r, -1])
 
     def _seq2seq_decode(self, group: list[Sequence]) -> None:
-        """One token for sequences of equal decoder length: caches stacked, the encoder's right-padded."""
+        """One token for sequences of equal decoder length: caches stacked, the encoder's right-padded. A group
+        that decoded together at the last step takes that step's outputs as they are (nothing copied)."""
         graph = self.graph
         assert isinstance(graph, Seq2SeqGraphs)
-        b = len(group)
-        width = max(len(s.prompt) for s in group)
-        mask = np.zeros((b, width), dtype=np.int64)
-        h, d = graph.past.heads, graph.past.head_dim
-        past = []
-        for j, own in enumerate(graph.past.self_attention):
-            if own:
-                past.append(np.stack([s.cache[j] for s in group]))
-            else:
-                a = np.zeros((b, h, width, d), dtype=graph.dtype)
-                for r, s in enumerate(group):
-                    a[r, :, : len(s.prompt)] = s.cache[j]
-                past.append(a)
-        for r, s in enumerate(group):
-            mask[r, : len(s.prompt)] = 1
+        key = tuple(id(s) for s in group)
+        kept = self._groups.get(key)
+        if kept is not None:
+            mask, past = kept
+        else:
+            b, width = len(group), max(len(s.prompt) for s in group)
+            mask = np.zeros((b, width), dtype=np.int64)
+            h, d = graph.past.heads, graph.past.head_dim
+            past = []
+            for j, own in enumerate(graph.past.self_attention):
+                if own:
+                    past.append(np.stack([s.cache[j] for s in group]))
+                else:
+                    a = np.zeros((b, h, width, d), dtype=graph.dtype)
+                    for r, s in enumerate(group):
+                        a[r, :, : len(s.prompt)] = s.cache[j]
+                    past.append(a)
+            for r, s in enumerate(group):
+                mask[r, : len(s.prompt)] = 1
         ids = np.array([[s.output[-1]] for s in group], dtype=np.int64)
         logits, present = graph.step(ids, mask, past)
+        self._next_groups[key] = (mask, present)
         for r, s in enumerate(group):
-            s.cache = [np.ascontiguousarray(a[r]) if own else c
-                       for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)]  # fmt: skip
+            s.cache = [
+                a[r] if own else c for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)
+            ]
             self._advance(s, logits[r, -1])
 
     # --- choosing and answering -------------------------------------------------------------------------
