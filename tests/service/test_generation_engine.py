@@ -243,7 +243,14 @@ def test_a_v2_infer_answers_as_transformers(
 
 @pytest.mark.parametrize(
     ("params", "field"),
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 2.0}, "top_p")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"stop": 7}, "stop"),  # a stop that is neither a string nor a list of them
+        ({"stop": '["ok", 3]'}, "stop"),
+        ({"num_beams": 4}, "num_beams"),
+    ],
 )
 def test_a_v2_infer_with_bad_parameters_is_invalid_argument(
     served: RunningServer, params: dict[str, Any], field: str
@@ -253,6 +260,13 @@ def test_a_v2_infer_with_bad_parameters_is_invalid_argument(
             _infer(client, "gpt2", "The quick brown fox", **params)
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert _infer(client, "gpt2", "The quick", max_tokens=2)["completion_tokens"] <= 2  # still serving
+
+
+def test_a_v2_prompt_over_the_model_positions_is_invalid_argument(served: RunningServer) -> None:
+    with g.InferenceServerClient(served.url) as client:
+        with pytest.raises(InferenceServerException, match="prompt") as e:
+            _infer(client, "gpt2", " ".join(["fox"] * 2100), max_tokens=4)  # GPT-2's 2,048 positions
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
 # --- decoding options ---------------------------------------------------------------------------------------
