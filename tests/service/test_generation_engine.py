@@ -19,7 +19,7 @@ import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument, ResourceExhausted
-from service.models.generation.capability import GenerationChunk, GenerationRequest
+from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
 from service.models.generation.engine import Sequence
@@ -105,6 +105,7 @@ def test_greedy_streams_equal_transformers_under_concurrency(
     repo: Path, expected: dict[str, list[list[int]]], architecture: str
 ) -> None:
     model = _model(repo, architecture)
+    assert isinstance(model, Generator)  # what the streaming front ends look up
     sizes = _running_sizes(model)
 
     async def run() -> list[list[GenerationChunk]]:
