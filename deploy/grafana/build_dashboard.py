@@ -370,8 +370,8 @@ def _layout() -> list[tuple[Panel, int, int]]:
                 "(qkv_generation_time_to_first_token_seconds): queue wait, prefill and one step.",
                 "s",
                 _targets(
-                    (_quantile(0.5, "qkv_generation_time_to_first_token_seconds", "model"), "p50 {{model}}"),
-                    (_quantile(0.99, "qkv_generation_time_to_first_token_seconds", "model"), "p99 {{model}}"),
+                    (_or_zero(_quantile(0.5, "qkv_generation_time_to_first_token_seconds", "model")), "p50 {{model}}"),
+                    (_or_zero(_quantile(0.99, "qkv_generation_time_to_first_token_seconds", "model")), "p99 {{model}}"),
                 ),
             ),
             8,
@@ -385,11 +385,15 @@ def _layout() -> list[tuple[Panel, int, int]]:
                 "s",
                 _targets(
                     (
-                        _quantile(0.5, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens"),
+                        _or_zero(
+                            _quantile(0.5, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens")
+                        ),
                         "p50 {{model}} prompt<={{prompt_tokens}}",
                     ),
                     (
-                        _quantile(0.99, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens"),
+                        _or_zero(
+                            _quantile(0.99, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens")
+                        ),
                         "p99 {{model}} prompt<={{prompt_tokens}}",
                     ),
                 ),
@@ -430,8 +434,10 @@ def _layout() -> list[tuple[Panel, int, int]]:
                 "percentunit",
                 _targets(
                     (
-                        f"sum by (model) (qkv_generation_kv_cache_bytes{{{SEL}}}) / "
-                        f"sum by (model) (qkv_generation_kv_cache_budget_bytes{{{SEL}}})",
+                        _or_zero(
+                            f"sum by (model) (qkv_generation_kv_cache_bytes{{{SEL}}}) / "
+                            f"sum by (model) (qkv_generation_kv_cache_budget_bytes{{{SEL}}})"
+                        ),
                         "cache {{model}}",
                     ),
                 ),
@@ -446,8 +452,8 @@ def _layout() -> list[tuple[Panel, int, int]]:
                 "(qkv_generation_queue_wait_seconds): the batch full, or the cache budget spent.",
                 "s",
                 _targets(
-                    (_quantile(0.5, "qkv_generation_queue_wait_seconds", "model"), "p50 {{model}}"),
-                    (_quantile(0.99, "qkv_generation_queue_wait_seconds", "model"), "p99 {{model}}"),
+                    (_or_zero(_quantile(0.5, "qkv_generation_queue_wait_seconds", "model")), "p50 {{model}}"),
+                    (_or_zero(_quantile(0.99, "qkv_generation_queue_wait_seconds", "model")), "p99 {{model}}"),
                 ),
             ),
             8,
