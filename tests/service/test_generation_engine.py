@@ -374,3 +374,37 @@ def test_the_generation_metrics_count_what_was_served(served: RunningServer) -> 
     assert metric(text, "qkv_generation_kv_cache_budget_bytes", **labels) > 0
     assert metric(text, "qkv_generation_step_seconds_count", **labels) >= 8
     assert "qkv_generation_running_sequences{" in text and "qkv_generation_kv_cache_bytes{" in text
+
+
+# --- how rows run together ------------------------------------------------------------------------------
+
+
+def _sequence(length: int = 0, prompt: tuple[int, ...] = (5, 6)) -> Sequence:
+    s = Sequence(
+        GenerationRequest(prompt, 4), Chooser(False, 1.0, 0, 1.0, 1.0, None), Detokenizer(str), asyncio.Queue()
+    )
+    s.cache = [np.zeros((1, length, 1), dtype=np.float32)] if length else []
+    return s
+
+
+def test_decoding_rows_far_apart_in_length_run_in_separate_calls() -> None:
+    from service.models.generation.engine import PAD_SLACK, _by_length
+
+    rows = [_sequence(n) for n in (200, 2000, 230, 180, 250, 90)]
+    groups = [[s.length for s in g] for g in _by_length(rows)]
+    assert groups == [[90, 180, 200, 230], [250], [2000]]  # 250 is over 2 x 90 + PAD_SLACK (64)
+    assert all(max(g) <= 2 * min(g) + PAD_SLACK for g in groups)
+
+
+def test_new_encoder_decoder_sequences_join_a_running_batch_together(repo: Path) -> None:
+    engine = _model(repo, "t5").engine
+    engine.running = [_sequence()]
+    engine.waiting = [_sequence(), _sequence()]
+    engine._admit()
+    assert len(engine.running) == 1  # two of the 8 it waits for, and not yet its 20 ms
+    engine.waiting[0].arrived -= 1.0
+    engine._admit()
+    assert len(engine.running) == 3 and not engine.waiting  # the oldest waited long enough: both join
+    engine.running, engine.waiting = [], [_sequence()]
+    engine._admit()
+    assert len(engine.running) == 1  # an idle engine starts a request at once
