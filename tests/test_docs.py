@@ -263,10 +263,11 @@ def _is_limits(node: ast.AST) -> bool:
 
 
 def limit_reads() -> dict[tuple[str, str], Any]:
-    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/kinds.py."""
+    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/kinds.py
+    and service/models/generation/model.py."""
     reads: dict[tuple[str, str], Any] = {}
-    tree = ast.parse((ROOT / "service" / "models" / "kinds.py").read_text())
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    trees = [ast.parse((ROOT / "service" / "models" / f).read_text()) for f in ("kinds.py", "generation/model.py")]
+    for cls in (n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)):
         kind = next(
             (
                 n.value.value
@@ -294,8 +295,8 @@ def limit_reads() -> dict[tuple[str, str], Any]:
 
 def test_every_limit_is_documented_with_its_kind_and_default() -> None:
     reads = limit_reads()
-    assert {kind for _, kind in reads} == {"tensor", "g2p"}, (
-        f"the scan of service/models/kinds.py found {sorted(reads)}"
+    assert {kind for _, kind in reads} == {"tensor", "g2p", "generation"}, (
+        f"the scan of service/models/kinds.py and generation/model.py found {sorted(reads)}"
     )
     rows = table(section(CONFIGURATION, "`limits`"), "key")
     docs = {(codes(row[0])[0], row[1]): row for row in rows}
