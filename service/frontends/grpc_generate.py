@@ -1,4 +1,5 @@
-"""ModelStreamInfer for a generating model: decoupled, one response a chunk (docs/generation.md, "Interfaces").
+"""ModelStreamInfer for a generating model: decoupled, one response a chunk (docs/generation-interfaces.md,
+"Interfaces").
 
 A request holds `text_input` (BYTES [1]) and, as the inputs of Triton's vLLM backend, optional `stream`,
 `exclude_input_in_output`, `return_finish_reason`, `return_num_input_tokens`, `return_num_output_tokens`
