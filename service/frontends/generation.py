@@ -233,7 +233,8 @@ async def chunks(
         raise Unavailable("the server is shutting down")
     start = time.perf_counter()
     ok = False
-    model.in_flight.enter()
+    model.in_flight.enter()  # a drain and an unload wait for the stream to end
+    plane.active += 1
     plane.last_arrival = time.monotonic()
     answer = model.generate(request)
     try:
@@ -248,4 +249,5 @@ async def chunks(
                 await close()
         finally:
             model.stats.answered(ok, int((time.perf_counter() - start) * 1e9))
+            plane.active -= 1
             model.in_flight.leave()
