@@ -214,7 +214,7 @@ def generation_request(
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        num_beams=1 if do_sample else d.num_beams,
+        num_beams=1,  # as vLLM: these interfaces stream token by token, a beam search answers at its end
         repetition_penalty=penalty,
         stop=stop,
         stop_token_ids=stop_ids,
