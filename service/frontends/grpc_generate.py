@@ -98,6 +98,6 @@ async def stream_generation(plane: DataPlane, request: InferRequest, put: Put) -
                 if final:
                     output = (g.prompt if g.prepend else "") + "".join(said)
                     await put(_response(request, g, g.fields(chunk, output), True), True)
-                if final:
-                    return
+            if final:
+                return
     raise Internal("the model's answer ended without a finish reason")

@@ -197,7 +197,7 @@ def test_tritonclient_decoupled_stream(server: RunningServer) -> None:
     done: set[str] = set()
     while done != set(prompts):
         result, error = answers.get(timeout=60)
-        assert error is None, error
+        assert error is None, error.message()
         response = result.get_response()
         out = result.as_numpy("text_output")
         if out is not None:
@@ -255,7 +255,7 @@ def test_bad_input_is_refused_naming_the_field(
     assert got == status, text
     doc = json.loads(text)
     message = doc["error"]["message"] if isinstance(doc["error"], dict) else doc["error"]
-    assert f"'{field}'" in message, message
+    assert not field or f"'{field}'" in message, message
     if path.startswith("/v1/") and field:
         assert doc["error"]["param"] == field and doc["error"]["type"] == "invalid_request_error"
 
