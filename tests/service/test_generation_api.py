@@ -366,6 +366,7 @@ def test_a_client_that_leaves_closes_its_sequence(server: RunningServer) -> None
     _wait_for(lambda: _running(server, MODEL) == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "t5"])
 def test_64_prompts_under_concurrency_16_equal_transformers(server: RunningServer, model: str) -> None:
     """The issue's correctness target through the OpenAI interface: 64 prompts of mixed lengths, 16 at a time,
