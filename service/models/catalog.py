@@ -18,6 +18,7 @@ from service import priority
 from service.datatypes import InputLimits
 from service.errors import ServingError
 from service.models.ensemble import EnsembleModel, Steps
+from service.models.generation.model import build_generation_model
 from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
 from service.models.response_cache import ResponseCache
 from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
@@ -148,7 +149,17 @@ def _text(config: ModelConfig, context: Context) -> ServedVersion:
     return build_text_model(config, context.providers, context.observer)
 
 
-KINDS: dict[str, KindFactory] = {"tensor": _tensor, "g2p": _g2p, "ensemble": _ensemble, "text": _text}
+def _generation(config: ModelConfig, context: Context) -> ServedVersion:
+    return build_generation_model(config, context.providers, context.observer)
+
+
+KINDS: dict[str, KindFactory] = {
+    "tensor": _tensor,
+    "g2p": _g2p,
+    "ensemble": _ensemble,
+    "text": _text,
+    "generation": _generation,
+}
 
 
 def build(config: ModelConfig, context: Context) -> ServedVersion:

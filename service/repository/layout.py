@@ -45,6 +45,7 @@ __all__ = [
     "config_fingerprint",
     "dependencies",
     "fingerprint",
+    "is_generation_folder",
     "load_model",
     "load_model_config",
     "load_repository",
@@ -55,7 +56,7 @@ __all__ = [
 
 log = logging.getLogger("qkv.repository")
 
-KINDS = ("tensor", "g2p", "ensemble", "text")
+KINDS = ("tensor", "g2p", "ensemble", "text", "generation")
 # A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
 # ones are a few KiB, four levels deep.
 MAX_CONFIG_BYTES = 1 << 20
@@ -262,6 +263,7 @@ LIMITS = {
     "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
     "ensemble": (),
     "text": (),  # a text model's limits are in its "text" section
+    "generation": ("cache_bytes",),  # the key/value cache the running sequences may reserve
 }
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, when config.json names none
@@ -346,6 +348,33 @@ def parse_config(text: str | bytes) -> Any:
     return raw
 
 
+CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")  # config.json architectures of a decoder-only generator
+
+
+def is_generation_folder(directory: Path) -> bool:
+    """Whether a version directory holds a generation model as optimum exports it, tokenizer included: an
+    encoder with its decoders (text2text-generation-with-past), or model.onnx of a causal LM (its
+    config.json's architectures) with past (text-generation-with-past)."""
+    if not (directory / "tokenizer.json").is_file():
+        return False
+    has = {p.name for p in directory.glob("*.onnx")}
+    if "encoder_model.onnx" in has:
+        return "decoder_model_merged.onnx" in has or {"decoder_model.onnx", "decoder_with_past_model.onnx"} <= has
+    if "model.onnx" not in has or not (directory / "config.json").is_file():
+        return False
+    try:
+        if (directory / "config.json").stat().st_size > MAX_CONFIG_BYTES:
+            return False
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    architectures = hf.get("architectures") if isinstance(hf, dict) else None
+    causal = isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith(CAUSAL_ARCHITECTURES) for a in architectures
+    )
+    return causal and bool(hf.get("use_cache", True))
+
+
 def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str, Any] | None = None) -> ModelConfig:
     """The configuration of one version of the model in `model_dir` (the newest when `version` is None).
 
@@ -371,9 +400,15 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     at = f"{where}: {'config.json' if triton is None else triton.source}"
     _top_level(raw, at)  # every value is checked against its type before anything reads it
     platform = _typed_value("str", raw.get("platform", ""), "platform", at)  # Triton's: only "ensemble" says anything
-    # a folder as Hugging Face exports it (model.onnx beside tokenizer.json) is a text model
+    # a folder as Hugging Face exports it (model.onnx beside tokenizer.json) is a text model, or a generation
+    # model when its graphs generate (an encoder with decoders, or a causal LM with past)
     text_folder = (model_dir / chosen / "tokenizer.json").is_file()
-    default_kind = "ensemble" if platform == ENSEMBLE_PLATFORM else "text" if text_folder else "tensor"
+    default_kind = (
+        "ensemble" if platform == ENSEMBLE_PLATFORM
+        else "generation" if is_generation_folder(model_dir / chosen)
+        else "text" if text_folder
+        else "tensor"
+    )  # fmt: skip
     kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)
     if kind not in KINDS:
         raise RepositoryError(f"{at}: unknown kind '{kind}' (one of {', '.join(KINDS)})")

@@ -10,7 +10,8 @@ xdist worker reuses one build (a lock file makes them wait for it, an atomic ren
 
 The weights are scaled up from transformers' initialisation (and the end-of-sequence row of the tied
 embedding moved) so that greedy outputs vary from prompt to prompt and end at different lengths, some on
-EOS and some at the token limit, as real answers do.
+EOS and some at the token limit, as real answers do. Each build keeps transformers' greedy answers to
+PROMPTS (greedy.json), the reference the engine's tests compare with.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE", "PROMPTS", "TEXT", "causal_folder", "exported", "seq2seq_folder"]
+__all__ = ["CACHE", "GREEDY_TOKENS", "PROMPTS", "TEXT", "causal_folder", "exported", "greedy_answers", "seq2seq_folder"]
 
 # Where the exports are kept: QKV_GENERATION_MODELS, or a folder in the temporary directory.
 CACHE = Path(os.environ.get("QKV_GENERATION_MODELS") or Path(tempfile.gettempdir()) / "qkv-generation-models")
@@ -55,6 +56,7 @@ PROMPTS: tuple[str, ...] = tuple(
 )
 
 VOCAB = 500
+GREEDY_TOKENS = 32  # max_new_tokens of the greedy answers kept with each build (greedy.json)
 N_POSITIONS = 2048  # GPT-2's positions: room for a 2,000-token prompt
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -119,6 +121,26 @@ def _export(saved: Path, out: Path, task: str) -> None:
         main_export(str(saved), output=out, task=task, do_validation=False, device="cpu")
 
 
+def _greedy(model: Any, tokenizer: Any, root: Path, decoder_only: bool) -> None:
+    """transformers' greedy answers to PROMPTS (batch 1, no padding), EOS included, kept as greedy.json."""
+    import torch
+
+    answers = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            out = model.generate(**ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=pad)
+            answers.append(out[0, ids.input_ids.shape[1] if decoder_only else 1 :].tolist())
+    (root / "greedy.json").write_text(json.dumps(answers))
+
+
+def greedy_answers(folder: Path) -> list[list[int]]:
+    """The greedy answers kept with a build: one token list a prompt of PROMPTS."""
+    answers: list[list[int]] = json.loads((folder / "greedy.json").read_text())
+    return answers
+
+
 def _build_causal(root: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -134,6 +156,7 @@ def _build_causal(root: Path) -> None:
         warnings.simplefilter("ignore")
         model.save_pretrained(saved)
     _export(saved, root / "onnx", "text-generation-with-past")
+    _greedy(model, tokenizer, root, decoder_only=True)
 
 
 def _build_seq2seq(root: Path) -> None:
@@ -150,6 +173,7 @@ def _build_seq2seq(root: Path) -> None:
         warnings.simplefilter("ignore")
         model.save_pretrained(saved)
     _export(saved, root / "onnx", "text2text-generation-with-past")
+    _greedy(model, tokenizer, root, decoder_only=False)
 
 
 def _key() -> str:

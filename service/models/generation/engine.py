@@ -1,0 +1,413 @@
+"""The decoding engine: continuous batching of generation at the step level, one decoding thread.
+
+Sequences join the running batch at any step and leave it as soon as they end; each keeps its own key/value
+cache (one array a past input of the graph, (H, L, D)). A step (planning.py) decodes one token for every
+sequence past its prompt and runs what the token budget leaves of waiting prompts:
+
+- decoder-only: prompts in chunks over their cache so far. Rows of different lengths run in one call, the
+  caches left-padded to the longest, the new tokens left-padded too, the attention mask zero on every pad
+  and position_ids given explicitly, so a row's answer is what it would be alone.
+- encoder-decoder: the encoder once per prompt (the step's new prompts batched, right-padded, sorted by
+  length), then the decoder. T5's decoder takes no self-attention mask and biases attention by relative
+  position, so padding its cache would change the answer: decoder rows run in groups of equal cache
+  length (sequences that joined at the same step decode together).
+
+The cache is reserved in a memory budget when a sequence joins (prompt and max_tokens worth): a request
+that cannot fit waits in the queue, one that could never fit is refused. A sequence whose client went
+away (`cancel`) is dropped, and its cache freed, before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from service import priority
+from service.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
+from service.models.generation.capability import FinishReason, GenerationChunk, GenerationRequest
+from service.models.generation.choosing import Chooser
+from service.models.generation.detokenize import Detokenizer
+from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs
+from service.models.generation.planning import Plan, plan_step
+
+__all__ = ["Engine", "EngineObserver", "Sequence"]
+
+log = logging.getLogger("qkv.generation")
+
+Message = GenerationChunk | ServingError
+
+
+class EngineObserver(Protocol):
+    """What the engine reports (the metrics module implements it)."""
+
+    def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
+    def first_token(self, seconds: float, queued: float) -> None: ...
+    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
+
+
+class _NoObserver:
+    def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
+    def first_token(self, seconds: float, queued: float) -> None: ...
+    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the engine: its prompt, its cache, its output so far, and where its chunks go."""
+
+    request: GenerationRequest
+    chooser: Chooser
+    detokenizer: Detokenizer
+    queue: asyncio.Queue[Message]  # the request's stream: its chunks, or the error
+    reserved: int = 0  # cache bytes reserved in the budget
+    arrived: float = field(default_factory=time.monotonic)
+    joined: float = 0.0  # when it joined the running batch
+    done: int = 0  # prompt tokens in the cache (decoder-only) / 1 once encoded (encoder-decoder)
+    cache: list[np.ndarray] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    cancelled_at: int = -1  # the engine's step count when its client went away, and when its cache was freed
+    freed_at: int = -1
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def length(self) -> int:
+        """Its self-attention cache's length."""
+        return int(self.cache[0].shape[1]) if self.cache else 0
+
+
+class Engine:
+    """One decoding thread stepping the running batch of one model instance."""
+
+    def __init__(self, name: str, graph: CausalGraph | Seq2SeqGraphs, eos: tuple[int, ...], decoder_start: int,
+                 max_positions: int, cache_budget: int, step_tokens: int, max_running: int, max_waiting: int,
+                 observer: EngineObserver | None = None) -> None:  # fmt: skip
+        self.name, self.graph, self.eos = name, graph, frozenset(eos)
+        self.decoder_start, self.max_positions = decoder_start, max_positions
+        self.cache_budget, self.step_tokens = cache_budget, step_tokens
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.observer: EngineObserver = observer or _NoObserver()
+        self.encoder_decoder = isinstance(graph, Seq2SeqGraphs)
+        past = graph.past
+        self.token_bytes = sum(own for own in past.self_attention) * past.heads * past.head_dim * 4
+        self.cross_bytes = sum(not own for own in past.self_attention) * past.heads * past.head_dim * 4
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.reserved = 0  # cache bytes reserved by the running sequences
+        self.steps = 0
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._outbox: list[tuple[Sequence, Message]] = []  # chunks of this step, handed over in one wake-up
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure = ""
+
+    # --- the event loop's side --------------------------------------------------------------------------
+
+    def reservation(self, request: GenerationRequest) -> int:
+        """The cache bytes a request reserves: its whole prompt and output."""
+        if self.encoder_decoder:
+            return (request.max_tokens + 1) * self.token_bytes + len(request.prompt_ids) * self.cross_bytes
+        return (len(request.prompt_ids) + request.max_tokens) * self.token_bytes
+
+    def submit(self, sequence: Sequence) -> None:
+        """Queue `sequence`, or raise the refusal (ResourceExhausted: the queue is full or it can never fit)."""
+        need = self.reservation(sequence.request)
+        if need > self.cache_budget:
+            raise ResourceExhausted(
+                f"model '{self.name}': the request's key/value cache ({need:,} bytes for its prompt and max_tokens) "
+                f"exceeds the cache budget of {self.cache_budget:,} bytes; ask for fewer max_tokens or a shorter prompt"
+            )
+        sequence.reserved = need
+        with self._lock:
+            if self.failure:
+                raise Unavailable(f"model '{self.name}': {self.failure}")
+            if len(self.waiting) >= self.max_waiting:
+                raise ResourceExhausted(
+                    f"model '{self.name}' is overloaded: {len(self.waiting)} requests wait for the running batch "
+                    f"(limit {self.max_waiting})"
+                )
+            self.waiting.append(sequence)
+            self._lock.notify()
+
+    def cancel(self, sequence: Sequence) -> None:
+        """The client went away: the sequence leaves, and its cache is freed, before the next step."""
+        with self._lock:
+            sequence.cancelled = True
+            sequence.cancelled_at = self.steps
+            self._lock.notify()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._work, args=(priority.reserve(1),), name=f"qkv-{self.name}-gen",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for s in self.waiting + self.running:
+            self._send(s, Unavailable(f"model '{self.name}' is unloading"))
+        self.waiting.clear()
+        self.running.clear()
+        self._flush()
+
+    @property
+    def cache_bytes(self) -> int:
+        """Cache held now by the running sequences."""
+        return sum(sum(a.nbytes for a in s.cache) for s in self.running)
+
+    # --- the decoding thread ----------------------------------------------------------------------------
+
+    def _send(self, s: Sequence, message: Message) -> None:
+        self._outbox.append((s, message))
+
+    def _flush(self) -> None:
+        """Hand this step's chunks to the event loop: one wake-up for all of them."""
+        out, self._outbox = self._outbox, []
+        if not out:
+            return
+
+        def put() -> None:
+            for s, message in out:
+                s.queue.put_nowait(message)
+
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(put)
+
+    def _work(self, slot: int) -> None:
+        priority.lower_this_thread(slot)
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._ready():
+                        self._lock.wait()
+                    if self._closed:
+                        return
+                    self._admit()
+                self.step()
+        except Exception as e:  # a bug: every request hears it rather than waiting forever
+            log.exception("model '%s': the decoding thread failed", self.name)
+            with self._lock:
+                self.failure = f"the decoding thread failed: {e}"
+                for s in self.waiting + self.running:
+                    self._send(s, Internal(f"model '{self.name}': {self.failure}"))
+                self.waiting.clear()
+                self.running.clear()
+                self._flush()
+
+    def _ready(self) -> bool:
+        self._drop_gone()
+        self._flush()
+        return bool(self.running) or bool(self.waiting)
+
+    def _drop_gone(self) -> None:
+        """Sequences whose client left or whose deadline passed leave, their caches freed."""
+        now = time.monotonic()
+        for group in (self.waiting, self.running):
+            for s in [
+                s for s in group if s.cancelled or (s.request.deadline is not None and now >= s.request.deadline)
+            ]:
+                group.remove(s)
+                if group is self.running:
+                    self.reserved -= s.reserved
+                s.cache = []
+                s.freed_at = self.steps
+                if not s.cancelled:
+                    self._send(s, DeadlineExceeded(f"model '{self.name}': the request's deadline passed"))
+
+    def _admit(self) -> None:
+        """Waiting sequences join, in order, while the running batch and the cache budget have room."""
+        while self.waiting and len(self.running) < self.max_running:
+            s = self.waiting[0]
+            if self.reserved + s.reserved > self.cache_budget and self.running:
+                break
+            self.waiting.pop(0)
+            self.reserved += s.reserved
+            s.joined = time.monotonic()
+            self.running.append(s)
+
+    def remaining(self, s: Sequence) -> int:
+        """Prompt tokens a sequence has still to run (an encoder-decoder's prompt counts until encoded)."""
+        return len(s.prompt) - s.done if not self.encoder_decoder else (len(s.prompt) if not s.done else 0)
+
+    def step(self) -> Plan:
+        """One step of the running batch (on the decoding thread; tests call it directly)."""
+        with self._lock:
+            self._drop_gone()
+            running = list(self.running)
+        plan = plan_step([self.remaining(s) for s in running], self.step_tokens, chunked=not self.encoder_decoder)
+        started = time.perf_counter()
+        try:
+            if self.encoder_decoder:
+                self._seq2seq_step(running, plan)
+            else:
+                self._causal_step(running, plan)
+        except Exception as e:  # onnxruntime failed: the step's sequences hear it, the others go on
+            log.exception("model '%s': a decoding step failed", self.name)
+            error = Internal(f"model '{self.name}': decoding failed: {e}")
+            for i in list(plan.decode) + [i for i, _ in plan.prefill]:
+                self._finish(running[i], None, error)
+        self.steps += 1
+        with self._lock:
+            self.running = [s for s in self.running if not s.finished]
+            self.reserved = sum(s.reserved for s in self.running)
+            cache = self.cache_bytes
+        self._flush()
+        self.observer.step(len(running), plan.tokens, cache, time.perf_counter() - started)
+        return plan
+
+    # --- decoder-only -----------------------------------------------------------------------------------
+
+    def _causal_step(self, running: list[Sequence], plan: Plan) -> None:
+        assert isinstance(self.graph, CausalGraph)
+        if plan.decode:
+            rows = [(running[i], [running[i].output[-1]]) for i in plan.decode]
+            self._causal_rows(rows, [True] * len(rows))
+        if plan.prefill:
+            rows, last = [], []
+            for i, n in plan.prefill:
+                s = running[i]
+                rows.append((s, list(s.prompt[s.done : s.done + n])))
+                last.append(s.done + n == len(s.prompt))
+            self._causal_rows(rows, last)
+
+    def _causal_rows(self, rows: list[tuple[Sequence, list[int]]], emits: list[bool]) -> None:
+        """Run `rows` (a sequence and its new tokens) in one call; each whose flag is set chooses its next token."""
+        graph = self.graph
+        assert isinstance(graph, CausalGraph)
+        b = len(rows)
+        lengths = [s.length for s, _ in rows]
+        p, t = max(lengths), max(len(new) for _, new in rows)
+        ids = np.zeros((b, t), dtype=np.int64)
+        positions = np.zeros((b, t), dtype=np.int64)
+        mask = np.zeros((b, p + t), dtype=np.int64)
+        h, d = graph.past.heads, graph.past.head_dim
+        past = [np.zeros((b, h, p, d), dtype=graph.dtype) for _ in graph.past.inputs]
+        for r, ((s, new), n) in enumerate(zip(rows, lengths, strict=True)):
+            k = len(new)
+            ids[r, t - k :] = new
+            positions[r, t - k :] = np.arange(n, n + k)
+            mask[r, p - n : p] = 1
+            mask[r, p + t - k :] = 1
+            for a, c in zip(past, s.cache if n else (), strict=False):
+                a[r, :, p - n :] = c
+        logits, present = graph.run(ids, mask, positions, past)
+        for r, (s, new) in enumerate(rows):
+            keep = np.flatnonzero(mask[r])
+            s.cache = [np.ascontiguousarray(a[r][:, keep]) for a in present]
+            if s.done < len(s.prompt):
+                s.done += len(new)
+            if emits[r]:
+                self._advance(s, logits[r, -1])
+
+    # --- encoder-decoder --------------------------------------------------------------------------------
+
+    def _seq2seq_step(self, running: list[Sequence], plan: Plan) -> None:
+        graph = self.graph
+        assert isinstance(graph, Seq2SeqGraphs)
+        groups: dict[int, list[Sequence]] = {}
+        for i in plan.decode:
+            groups.setdefault(running[i].length, []).append(running[i])
+        for group in groups.values():
+            self._seq2seq_decode(group)
+        if plan.prefill:
+            self._seq2seq_start(sorted((running[i] for i, _ in plan.prefill), key=lambda s: len(s.prompt)))
+
+    def _seq2seq_start(self, new: list[Sequence]) -> None:
+        """Encode the new prompts (right-padded) and run the decoder's first step."""
+        graph = self.graph
+        assert isinstance(graph, Seq2SeqGraphs)
+        b, width = len(new), max(len(s.prompt) for s in new)
+        ids = np.zeros((b, width), dtype=np.int64)
+        mask = np.zeros((b, width), dtype=np.int64)
+        for r, s in enumerate(new):
+            ids[r, : len(s.prompt)] = s.prompt
+            mask[r, : len(s.prompt)] = 1
+        hidden = graph.encode(ids, mask)
+        start = np.full((b, 1), self.decoder_start, dtype=np.int64)
+        logits, present = graph.start(start, hidden, mask)
+        for r, s in enumerate(new):
+            n = len(s.prompt)
+            s.cache = [np.ascontiguousarray(a[r] if own else a[r][:, :n])
+                       for a, own in zip(present, graph.past.self_attention, strict=True)]  # fmt: skip
+            s.done = 1
+            self._advance(s, logits[r, -1])
+
+    def _seq2seq_decode(self, group: list[Sequence]) -> None:
+        """One token for sequences of equal decoder length: caches stacked, the encoder's right-padded."""
+        graph = self.graph
+        assert isinstance(graph, Seq2SeqGraphs)
+        b = len(group)
+        width = max(len(s.prompt) for s in group)
+        mask = np.zeros((b, width), dtype=np.int64)
+        h, d = graph.past.heads, graph.past.head_dim
+        past = []
+        for j, own in enumerate(graph.past.self_attention):
+            if own:
+                past.append(np.stack([s.cache[j] for s in group]))
+            else:
+                a = np.zeros((b, h, width, d), dtype=graph.dtype)
+                for r, s in enumerate(group):
+                    a[r, :, : len(s.prompt)] = s.cache[j]
+                past.append(a)
+        for r, s in enumerate(group):
+            mask[r, : len(s.prompt)] = 1
+        ids = np.array([[s.output[-1]] for s in group], dtype=np.int64)
+        logits, present = graph.step(ids, mask, past)
+        for r, s in enumerate(group):
+            s.cache = [np.ascontiguousarray(a[r]) if own else c
+                       for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)]  # fmt: skip
+            self._advance(s, logits[r, -1])
+
+    # --- choosing and answering -------------------------------------------------------------------------
+
+    def _advance(self, s: Sequence, logits: np.ndarray) -> None:
+        """Choose `s`'s next token from its logits, hand its chunk over, and end it if it is done."""
+        request = s.request
+        token = s.chooser.choose(logits, (*s.prompt, *s.output) if s.chooser.penalty != 1.0 else ())
+        first = not s.output
+        s.output.append(token)
+        if first:
+            now = time.monotonic()
+            self.observer.first_token(now - s.arrived, s.joined - s.arrived)
+        reason: FinishReason | None = None
+        special = (token in self.eos and not request.ignore_eos) or token in request.stop_token_ids
+        text = "" if special else s.detokenizer.add(token)
+        if special or s.detokenizer.stopped:
+            reason = "stop"
+        elif len(s.output) >= request.max_tokens or (
+            self.max_positions and len(s.prompt) + len(s.output) >= self.max_positions
+        ):
+            reason = "length"
+        if reason is not None:
+            text += s.detokenizer.flush()
+        chunk = GenerationChunk((token,), text, reason, len(s.prompt), len(s.output))
+        if reason is not None:
+            self._finish(s, chunk, None)
+        else:
+            self._send(s, chunk)
+
+    def _finish(self, s: Sequence, chunk: GenerationChunk | None, error: ServingError | None) -> None:
+        s.finished = True
+        s.cache = []
+        if error is not None:
+            self._send(s, error)
+            return
+        assert chunk is not None
+        self._send(s, chunk)
+        self.observer.answered(len(s.prompt), len(s.output), time.monotonic() - s.arrived)

@@ -1,0 +1,98 @@
+"""What an exported folder says about generating: the architecture, the special tokens, the limits and the
+defaults (generation_config.json, then config.json, then transformers' own), and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from service.models.generation.capability import GenerationDefaults
+from service.repository.layout import RepositoryError
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FolderSettings", "read_folder"]
+
+MAX_FILE_BYTES = 64 << 20  # a tokenizer.json of a 250k vocabulary is some 20 MB
+DEFAULT_MAX_NEW_TOKENS = 256  # `max_tokens` when neither the request nor generation_config.json gives one
+UNBOUNDED_PROMPT = 4096  # an encoder with relative positions (T5): the longest prompt taken
+
+
+@dataclass(frozen=True)
+class FolderSettings:
+    defaults: GenerationDefaults
+    decoder_start: int  # an encoder-decoder's first decoder token
+    pad: int
+    vocab_size: int
+
+
+def _json(path: Path, where: str) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise RepositoryError(f"{where}: {path.name} is over {MAX_FILE_BYTES:,} bytes")
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RepositoryError(f"{where}: cannot read {path.name}: {e}") from None
+    if not isinstance(value, dict):
+        raise RepositoryError(f"{where}: {path.name} must hold a JSON object")
+    return value
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def _number(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def read_tokenizer(directory: Path, where: str) -> Tokenizer:
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise RepositoryError(f"{where}: a generation model needs its tokenizer.json beside the graphs")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise RepositoryError(f"{where}: cannot read tokenizer.json: {e}") from None
+
+
+def read_folder(directory: Path, encoder_decoder: bool, tokenizer: Tokenizer, where: str) -> FolderSettings:
+    hf = _json(directory / "config.json", where)
+    gen = _json(directory / "generation_config.json", where)
+
+    def setting(key: str) -> Any:
+        return gen[key] if key in gen else hf.get(key)
+
+    eos = _ids(setting("eos_token_id"))
+    if not eos:
+        raise RepositoryError(f"{where}: no eos_token_id in generation_config.json or config.json")
+    vocab = int(hf.get("vocab_size") or tokenizer.get_vocab_size())
+    positions = 0 if encoder_decoder else int(hf.get("n_positions") or hf.get("max_position_embeddings") or 0)
+    if positions:
+        prompt = positions - 1
+    else:
+        limit = _json(directory / "tokenizer_config.json", where).get("model_max_length")
+        prompt = int(limit) if isinstance(limit, int) and 1 <= limit <= 1 << 20 else UNBOUNDED_PROMPT
+    new = setting("max_new_tokens")
+    defaults = GenerationDefaults(
+        max_positions=positions,
+        max_prompt_tokens=prompt,
+        max_new_tokens=int(new) if isinstance(new, int) and new > 0 else DEFAULT_MAX_NEW_TOKENS,
+        eos_token_ids=eos,
+        do_sample=bool(setting("do_sample") or False),
+        temperature=_number(setting("temperature"), 1.0),
+        top_p=_number(setting("top_p"), 1.0),
+        top_k=int(_number(setting("top_k"), 50)),  # transformers samples from the 50 best by default
+        num_beams=int(_number(setting("num_beams"), 1)),
+        repetition_penalty=_number(setting("repetition_penalty"), 1.0),
+    )
+    start = _ids(setting("decoder_start_token_id"))
+    pad = _ids(setting("pad_token_id"))
+    if encoder_decoder and not start:
+        raise RepositoryError(f"{where}: an encoder-decoder model needs decoder_start_token_id in config.json")
+    return FolderSettings(defaults, start[0] if start else 0, pad[0] if pad else 0, vocab)

@@ -1,0 +1,241 @@
+"""The generation engine on a tiny GPT-2 and a tiny T5 as optimum exports them (tests/service/generation_models.py):
+greedy answers under concurrency are transformers' generate's, token for token, streamed in process and
+through a served v2 infer; sequences join and leave a running batch; a closed stream frees its cache within a
+step; the cache budget makes a request wait or refuses it; bad input is INVALID_ARGUMENT naming the field.
+Needs the hf extra (skipped without it)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as g
+from tritonclient.utils import InferenceServerException
+
+from service.errors import InvalidArgument, ResourceExhausted
+from service.models.generation.capability import GenerationChunk, GenerationRequest
+from service.models.generation.engine import Sequence
+from service.models.generation.model import GenerationModel
+from service.repository.layout import load_model_config
+from tests.conftest import RunningServer
+from tests.service.generation_models import GREEDY_TOKENS, PROMPTS, causal_folder, greedy_answers, seq2seq_folder
+from tests.service.onnx_models import serving
+
+ARCHITECTURES = ("gpt2", "t5")
+MAX_TOKENS = GREEDY_TOKENS
+
+
+def _folder(architecture: str) -> Path:
+    pytest.importorskip("optimum.exporters.onnx", reason="needs the hf extra")
+    return causal_folder() if architecture == "gpt2" else seq2seq_folder()
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    models = tmp_path_factory.mktemp("generation") / "models"
+    for architecture in ARCHITECTURES:
+        shutil.copytree(_folder(architecture) / "onnx", models / architecture / "1")
+    return models
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[list[int]]]:
+    """transformers' greedy answers (batch 1, no padding) to every prompt, kept with each build."""
+    return {a: greedy_answers(_folder(a)) for a in ARCHITECTURES}
+
+
+def _model(repo: Path, architecture: str, **limits: Any) -> GenerationModel:
+    config = load_model_config(repo / architecture)
+    if limits:
+        from dataclasses import replace
+
+        config = replace(config, limits=limits)
+    model = GenerationModel(config, ["CPUExecutionProvider"], None)  # type: ignore[arg-type]
+    model.warm_up()
+    return model
+
+
+def _running_sizes(model: GenerationModel) -> list[int]:
+    """The running batch's size at each step the engine takes from now on."""
+    sizes: list[int] = []
+    step = model.engine.step
+
+    def counted() -> Any:
+        sizes.append(len(model.engine.running))
+        return step()
+
+    model.engine.step = counted  # type: ignore[method-assign]
+    return sizes
+
+
+async def _collect(model: GenerationModel, request: GenerationRequest) -> list[GenerationChunk]:
+    return [c async for c in model.generate(request)]
+
+
+def test_an_exported_folder_with_a_tokenizer_is_a_generation_model(repo: Path, tmp_path: Path) -> None:
+    for architecture in ARCHITECTURES:
+        assert load_model_config(repo / architecture).kind == "generation"
+    bare = tmp_path / "gpt2"  # the graph alone (no tokenizer): a tensor model, as before
+    (bare / "1").mkdir(parents=True)
+    shutil.copy(repo / "gpt2" / "1" / "model.onnx", bare / "1" / "model.onnx")
+    assert load_model_config(bare).kind == "tensor"
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_streams_equal_transformers_under_concurrency(
+    repo: Path, expected: dict[str, list[list[int]]], architecture: str
+) -> None:
+    model = _model(repo, architecture)
+    sizes = _running_sizes(model)
+
+    async def run() -> list[list[GenerationChunk]]:
+        model.start()
+        window = asyncio.Semaphore(16)
+
+        async def one(prompt: str) -> list[GenerationChunk]:
+            async with window:
+                return await _collect(model, GenerationRequest(tuple(model.encode(prompt)), MAX_TOKENS))
+
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await model.close()
+
+    answers = asyncio.run(run())
+    wanted = expected[architecture]
+    for prompt, chunks, tokens in zip(PROMPTS, answers, wanted, strict=True):
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == tokens, prompt
+        assert chunks[-1].completion_tokens == len(tokens)  # EOS counted, as generate returns it
+        assert "".join(c.text for c in chunks) == model.decode(tokens), prompt
+        assert chunks[-1].finish_reason == ("length" if len(tokens) == MAX_TOKENS and tokens[-1] not in
+                                            model.defaults.eos_token_ids else "stop")  # fmt: skip
+        assert all(c.finish_reason is None for c in chunks[:-1])
+    assert len({len(t) for t in wanted}) > 8  # the answers end at many different lengths
+    assert max(sizes) == 16  # sequences ran together...
+    assert len(set(sizes)) > 4  # ...joining and leaving the running batch between steps
+
+
+def test_a_closed_stream_frees_its_cache_within_one_step(repo: Path) -> None:
+    model = _model(repo, "gpt2")
+
+    async def run() -> Sequence:
+        model.start()
+        stream = model.generate(GenerationRequest(tuple(model.encode(PROMPTS[3])), 1000, ignore_eos=True))
+        other = GenerationRequest(tuple(model.encode(PROMPTS[5])), 400, ignore_eos=True)
+        going_on = asyncio.create_task(_collect(model, other))
+        for _ in range(3):
+            await anext(stream)
+        [sequence] = [s for s in model.engine.running if len(s.prompt) == len(model.encode(PROMPTS[3]))]
+        await stream.aclose()
+        while sequence.freed_at < 0:
+            await asyncio.sleep(0.001)
+        assert model.engine.reserved == model.engine.reservation(other)  # the other's alone
+        assert (await going_on)[-1].completion_tokens == 400  # the other went on
+        await model.close()
+        return sequence
+
+    sequence = asyncio.run(run())
+    assert sequence.cancelled_at >= 0 and sequence.freed_at - sequence.cancelled_at <= 1
+    assert sequence.cache == [] and len(sequence.output) < 1000
+
+
+def test_the_cache_budget_queues_what_does_not_fit_and_refuses_what_never_can(repo: Path) -> None:
+    probe = _model(repo, "gpt2")
+    prompt = tuple(probe.encode(PROMPTS[10]))
+    one = probe.engine.reservation(GenerationRequest(prompt, 40))
+    model = _model(repo, "gpt2", cache_bytes=one + one // 2)  # room for one such request at a time
+
+    async def run() -> list[int]:
+        model.start()
+        seen = _running_sizes(model)
+        request = GenerationRequest(prompt, 40, ignore_eos=True)
+        answers = await asyncio.gather(*(_collect(model, request) for _ in range(3)))
+        assert all(a[-1].completion_tokens == 40 for a in answers)
+        with pytest.raises(ResourceExhausted, match="cache budget"):
+            await _collect(model, GenerationRequest(prompt, 2000))
+        await model.close()
+        return seen
+
+    assert max(asyncio.run(run())) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"prompt_ids": ()}, "prompt"),
+        ({"prompt_ids": (5,) * 2048}, "prompt"),  # GPT-2's 2,048 positions
+        ({"prompt_ids": (99999,)}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": 0.0, "do_sample": True}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ],
+)
+def test_bad_requests_are_invalid_arguments_naming_the_field(repo: Path, change: dict[str, Any], field: str) -> None:
+    model = _model(repo, "gpt2")
+    fields: dict[str, Any] = {"prompt_ids": (5, 6), "max_tokens": 4} | change
+
+    async def run() -> None:
+        with pytest.raises(InvalidArgument, match=field):
+            await _collect(model, GenerationRequest(**fields))
+
+    asyncio.run(run())
+
+
+# --- served: a plain v2 infer with tritonclient ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(repo: Path) -> Iterator[RunningServer]:
+    yield from serving(repo)
+
+
+def _infer(client: g.InferenceServerClient, model: str, text: str, **params: Any) -> dict[str, Any]:
+    t = g.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    answer = client.infer(model, [t], parameters=params)
+    return {
+        "text": answer.as_numpy("text_output")[0].decode(),
+        "finish_reason": answer.as_numpy("finish_reason")[0].decode(),
+        "completion_tokens": int(answer.as_numpy("completion_tokens")[0]),
+    }
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_v2_infer_answers_as_transformers(
+    served: RunningServer, repo: Path, expected: dict[str, list[list[int]]], architecture: str
+) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(repo / architecture / "1" / "tokenizer.json"))
+    with g.InferenceServerClient(served.url) as client:
+        assert [i.name for i in client.get_model_metadata(architecture).inputs] == ["text_input"]
+        for i in range(0, 64, 8):
+            answer = _infer(client, architecture, PROMPTS[i], max_tokens=MAX_TOKENS)
+            tokens = expected[architecture][i]
+            assert answer["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+            assert answer["completion_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 2.0}, "top_p")],
+)
+def test_a_v2_infer_with_bad_parameters_is_invalid_argument(
+    served: RunningServer, params: dict[str, Any], field: str
+) -> None:
+    with g.InferenceServerClient(served.url) as client:
+        with pytest.raises(InferenceServerException, match=field) as e:
+            _infer(client, "gpt2", "The quick brown fox", **params)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert _infer(client, "gpt2", "The quick", max_tokens=2)["completion_tokens"] <= 2  # still serving
