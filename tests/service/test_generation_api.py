@@ -77,15 +77,17 @@ def _expected(model: str, prompt: str) -> tuple[str, int, int]:
     return tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new)
 
 
-def _client(server: RunningServer) -> Any:
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[Any]:
+    """The official openai client of the server (closed after the test: its connections with it)."""
     import openai
 
-    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="none", max_retries=0)
+    with openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
 
 
 @pytest.mark.parametrize("model", ["gpt2", "t5"])
-def test_completions_equal_transformers_streamed_and_not(server: RunningServer, model: str) -> None:
-    client = _client(server)
+def test_completions_equal_transformers_streamed_and_not(client: Any, server: RunningServer, model: str) -> None:
     for prompt in PROMPTS[:6]:
         text, prompt_tokens, completion_tokens = _expected(model, prompt)
         whole = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -101,8 +103,7 @@ def test_completions_equal_transformers_streamed_and_not(server: RunningServer, 
         assert all(e.usage is None for e in events[:-1])
 
 
-def test_chat_equals_transformers_on_the_chat_template(server: RunningServer) -> None:
-    client = _client(server)
+def test_chat_equals_transformers_on_the_chat_template(client: Any, server: RunningServer) -> None:
     _, tokenizer = _reference("gpt2")
     ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     new = _greedy("gpt2", ids)
@@ -118,10 +119,9 @@ def test_chat_equals_transformers_on_the_chat_template(server: RunningServer) ->
     assert events[-1].usage == whole.usage
 
 
-def test_several_prompts_and_choices(server: RunningServer) -> None:
+def test_several_prompts_and_choices(client: Any, server: RunningServer) -> None:
     """A list of prompts, each with n choices: choice i*n + j is prompt i's; greedy choices are equal, and
     usage counts each prompt once and every choice's tokens."""
-    client = _client(server)
     prompts = list(PROMPTS[10:13])
     answer = client.completions.create(model="gpt2", prompt=prompts, n=2, max_tokens=MAX_TOKENS, temperature=0)
     expected = [_expected("gpt2", p) for p in prompts]
@@ -136,8 +136,7 @@ def test_several_prompts_and_choices(server: RunningServer) -> None:
     assert by_ids.choices[0].text == expected[0][0]
 
 
-def test_sampling_with_a_seed_repeats_and_stop_strings_cut(server: RunningServer) -> None:
-    client = _client(server)
+def test_sampling_with_a_seed_repeats_and_stop_strings_cut(client: Any, server: RunningServer) -> None:
     ask = {"model": "gpt2", "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 1.5, "top_p": 0.9, "seed": 7}
     one, two = (client.completions.create(**ask).choices[0].text for _ in range(2))
     assert one == two
@@ -148,8 +147,8 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut(server: RunningServer
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_models_lists_the_generating_models(server: RunningServer) -> None:
-    assert {m.id for m in _client(server).models.list()} >= {"gpt2", "t5"}
+def test_models_lists_the_generating_models(client: Any, server: RunningServer) -> None:
+    assert {m.id for m in client.models.list()} >= {"gpt2", "t5"}
 
 
 async def _post(server: RunningServer, path: str, body: Any) -> tuple[int, str]:
@@ -286,7 +285,9 @@ def test_the_examples_of_the_docs_and_readme_run_as_written(server: RunningServe
     for code in _blocks(docs, "python"):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(code.replace("127.0.0.1:8000", server.http_url).replace("127.0.0.1:8001", server.url), {})
+            namespace: dict[str, Any] = {}
+            exec(code.replace("127.0.0.1:8000", server.http_url).replace("127.0.0.1:8001", server.url), namespace)
+            namespace["client"].close()  # the example's client, and its connections
         printed = out.getvalue()
         assert printed.strip() and "Error" not in printed, (code, printed)
     readme = [b for b in _blocks(ROOT / "README.md", "bash") if "/v1/completions" in b]
@@ -308,13 +309,12 @@ def _failed(server: RunningServer, model: str) -> int:
 
 
 def _running(server: RunningServer, model: str) -> float:
-    """The engine's running sequences of `model`, from the server's /metrics."""
+    """The engine's running sequences of `model`, as the server's /metrics reports them (a gauge whose name
+    has "running" under qkv_generation_); 0 when the server reports none."""
     with urllib.request.urlopen(server.metrics_url) as r:
         text = r.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(RUNNING_METRIC) and f'model="{model}"' in line]  # fmt: skip
-    assert values, f"no {RUNNING_METRIC} for {model}"
-    return sum(values)
+    found = RUNNING_METRIC.findall(text)
+    return sum(float(value) for labels, value in found if f'model="{model}"' in labels)
 
 
 def _wait_for(check: Any, seconds: float = 10) -> None:
@@ -324,7 +324,7 @@ def _wait_for(check: Any, seconds: float = 10) -> None:
         time.sleep(0.02)
 
 
-RUNNING_METRIC = "qkv_generation_running"  # the engine's running batch size (its name: the engine's metrics)
+RUNNING_METRIC = re.compile(r"^qkv_generation_\w*running\w*\{([^}]*)\} (\S+)$", re.MULTILINE)
 LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}  # seconds of decoding: cancelled long before
 
 
@@ -373,10 +373,9 @@ def test_64_prompts_under_concurrency_16_equal_transformers(server: RunningServe
     every other one streamed; each answer's text and token count equal transformers' greedy generate."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"http://{server.http_url}/v1", api_key="none", max_retries=0)
     ask = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0}
 
-    async def one(i: int, prompt: str, limit: asyncio.Semaphore) -> tuple[str, int]:
+    async def one(client: Any, i: int, prompt: str, limit: asyncio.Semaphore) -> tuple[str, int]:
         async with limit:
             if i % 2:
                 answer = await client.completions.create(prompt=prompt, **ask)
@@ -388,7 +387,9 @@ def test_64_prompts_under_concurrency_16_equal_transformers(server: RunningServe
 
     async def every() -> list[tuple[str, int]]:
         limit = asyncio.Semaphore(16)
-        return await asyncio.gather(*(one(i, p, limit) for i, p in enumerate(PROMPTS)))
+        url = f"http://{server.http_url}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i, p, limit) for i, p in enumerate(PROMPTS)))
 
     served = asyncio.run(every())
     expected = [_expected(model, p) for p in PROMPTS]
