@@ -230,6 +230,8 @@ BAD = [  # (endpoint, body, status, the field the message names)
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"model": "gpt2", "prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt2", "prompt": [1, -2]}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt2", "prompt": [1, 100000]}, 400, ""),  # outside the vocabulary: the engine's
+    ("/v1/completions", {"model": "gpt2", "prompt": "a", "stop_token_ids": [100000]}, 400, ""),
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/chat/completions", {"model": "gpt2", "messages": []}, 400, "messages"),
