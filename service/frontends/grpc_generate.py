@@ -14,13 +14,12 @@ flags a decoupled model's responses, so that tritonclient's `async_stream_infer`
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
-
 from service import protocol
-from service.datatypes import InputLimits, encode_bytes
+from service.datatypes import InputLimits
 from service.errors import Internal, InvalidArgument, quote
 from service.frontends.generation import chunks
 from service.frontends.triton_generate import EXTRAS, Generation, stream_fields, triton_generation
@@ -69,12 +68,12 @@ def _response(request: InferRequest, g: Generation, fields: dict[str, Any], fina
     response = protocol.ModelInferResponse(model_name=g.model.name, model_version=g.model.version, id=request.id)
     for name, value in fields.items():
         if name == "text_output" or name == "finish_reason":
-            array = np.array([str(value).encode()], dtype=np.object_)
+            data = str(value).encode()
             response.outputs.add(name=name, datatype="BYTES", shape=[1])
-            response.raw_output_contents.append(encode_bytes(array))
+            response.raw_output_contents.append(struct.pack("<I", len(data)) + data)  # one BYTES element
         else:
             response.outputs.add(name=name, datatype="UINT32", shape=[1])
-            response.raw_output_contents.append(np.array([value], dtype="<u4").tobytes())
+            response.raw_output_contents.append(struct.pack("<I", value))
     response.parameters["triton_final_response"].bool_param = final
     return protocol.ModelStreamInferResponse(infer_response=response)
 
