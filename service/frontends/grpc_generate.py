@@ -3,8 +3,10 @@
 
 A request holds `text_input` (BYTES [1]) and, as the inputs of Triton's vLLM backend, optional `stream`,
 `exclude_input_in_output`, `return_finish_reason`, `return_num_input_tokens`, `return_num_output_tokens`
-(BOOL [1]) and `sampling_parameters` (BYTES [1], a JSON object); its parameters carry the sampling fields
-as well (max_tokens, temperature, ...; a list, such as stop, as a JSON string). With stream true each chunk
+(BOOL [1]) and `sampling_parameters` (BYTES [1], a JSON object); `ignore_eos` (BOOL [1]) and `max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed`, `repetition_penalty` (a number [1]) may come as inputs too, as
+TensorRT-LLM's clients send them; its parameters carry the sampling fields as well (a list, such as stop,
+as a JSON string). With stream true each chunk
 is a response of its own, with stream false (the default) the whole text is one; either way the last
 response of a request carries the parameter `triton_final_response` true, the others false, as Triton
 flags a decoupled model's responses, so that tritonclient's `async_stream_infer` (with
@@ -28,14 +30,17 @@ from service.serving.dataplane_types import InferRequest
 
 __all__ = ["stream_generation"]
 
-BOOL_INPUTS = ("stream", "exclude_input_in_output", *EXTRAS)
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "ignore_eos", *EXTRAS)
+# Sampling fields a client may send as one-element number tensors, as TensorRT-LLM's clients send max_tokens.
+NUMBER_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
 TEXT_BYTES = 1 << 22  # text_input and sampling_parameters, at most (within --max-message-bytes anyway)
 Put = Callable[[Any, bool], Awaitable[None]]  # a response, and whether it is its request's last
 
 
-def _inputs(request: InferRequest) -> tuple[str, str | None, dict[str, bool]]:
-    """(text_input, sampling_parameters, the BOOL inputs set) of a stream request, each input checked."""
-    text, sampling, flags = None, None, {}
+def _inputs(request: InferRequest) -> tuple[str, str | None, dict[str, Any]]:
+    """(text_input, sampling_parameters, the BOOL and number inputs set) of a stream request, each checked."""
+    text, sampling = None, None
+    flags: dict[str, Any] = {}
     for tensor in request.inputs:
         if tensor.name in ("text_input", "sampling_parameters"):
             array = tensor.read(InputLimits(elements=1, element_bytes=TEXT_BYTES, why="one text"))
@@ -54,10 +59,15 @@ def _inputs(request: InferRequest) -> tuple[str, str | None, dict[str, bool]]:
             if tensor.datatype != "BOOL" or array.size != 1:
                 raise InvalidArgument(f"input {quote(tensor.name)} must be BOOL holding one element")
             flags[tensor.name] = bool(array.reshape(-1)[0])
+        elif tensor.name in NUMBER_INPUTS:
+            array = tensor.read(InputLimits(elements=1, why="one number"))
+            if array.dtype.kind not in "iuf" or array.size != 1:
+                raise InvalidArgument(f"input {quote(tensor.name)} must be a number tensor holding one element")
+            flags[tensor.name] = array.reshape(-1)[0].item()
         else:
             raise InvalidArgument(
-                f"input {quote(tensor.name)}: a generating model takes text_input, sampling_parameters and "
-                f"{', '.join(BOOL_INPUTS)}"
+                f"input {quote(tensor.name)}: a generating model takes text_input, sampling_parameters, "
+                f"{', '.join(BOOL_INPUTS)} and {', '.join(NUMBER_INPUTS)}"
             )
     if text is None:
         raise InvalidArgument("input 'text_input' is required: the prompt, BYTES [1]")

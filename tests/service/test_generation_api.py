@@ -190,8 +190,13 @@ def test_tritonclient_decoupled_stream(server: RunningServer) -> None:
         text_input.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
         stream = g.InferInput("stream", [1], "BOOL")
         stream.set_data_from_numpy(np.array([True]))
-        client.async_stream_infer("gpt2", [text_input, stream], request_id=request_id, enable_empty_final_response=True,
-                                  parameters={"max_tokens": MAX_TOKENS, "temperature": 0})  # fmt: skip
+        inputs, params = [text_input, stream], {"max_tokens": MAX_TOKENS, "temperature": 0}
+        if request_id == "b":  # max_tokens as an input tensor, as TensorRT-LLM's clients send it
+            max_tokens = g.InferInput("max_tokens", [1], "INT32")
+            max_tokens.set_data_from_numpy(np.array([MAX_TOKENS], dtype=np.int32))
+            inputs, params = [*inputs, max_tokens], {"temperature": 0}
+        client.async_stream_infer("gpt2", inputs, request_id=request_id, enable_empty_final_response=True,
+                                  parameters=params)  # fmt: skip
     said: dict[str, list[str]] = {"a": [], "b": []}
     done: set[str] = set()
     while done != set(prompts):
