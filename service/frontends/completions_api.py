@@ -31,9 +31,11 @@ from aiohttp import web
 
 from service.errors import Internal, InvalidArgument, ServingError
 from service.frontends.generation import (
+    CHARS_PER_TOKEN,
     GeneratingModel,
     Sampling,
     chunks,
+    encoded,
     generating_model,
     generation_request,
 )
@@ -124,14 +126,18 @@ def _bool(doc: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _prompts(model: GeneratingModel, value: Any) -> list[list[int]]:
-    """A completion's prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+def _prompts(model: GeneratingModel, value: Any, n: int) -> list[list[int]]:
+    """A completion's prompt: a string, a list of strings, a list of token ids or a list of such lists; at most
+    MAX_CHOICES choices in all (counted before any is encoded)."""
     if isinstance(value, str):
-        return [model.encode(value)]
+        return [encoded(model, value, "prompt")]
     if not isinstance(value, list) or not value:
         raise InvalidArgument("field 'prompt' must be a string, a list of strings or a list of token ids")
+    count = 1 if not isinstance(value[0], list | str) else len(value)
+    if count * n > MAX_CHOICES:
+        raise InvalidArgument(f"field 'prompt': {count} prompts x n={n} choices, the limit is {MAX_CHOICES}")
     if all(isinstance(v, str) for v in value):
-        return [model.encode(v) for v in value]
+        return [encoded(model, v, "prompt") for v in value]
     rows = value if isinstance(value[0], list) else [value]
     for row in rows:
         if not isinstance(row, list) or not row or not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
@@ -274,9 +280,7 @@ class CompletionsApi:
         else:
             if "prompt" not in doc:
                 raise InvalidArgument("field 'prompt' is required")
-            names, prompts, prompt_field = {}, _prompts(model, doc["prompt"]), "prompt"
-        if len(prompts) * n > MAX_CHOICES:
-            raise InvalidArgument(f"field 'prompt': {len(prompts)} prompts x n={n} choices, the limit is {MAX_CHOICES}")
+            names, prompts, prompt_field = {}, _prompts(model, doc["prompt"], n), "prompt"
         sampling = Sampling.of(doc, names)
         requests = [
             generation_request(model, ids, sampling, prompt_field, seed_offset=j) for ids in prompts for j in range(n)
@@ -294,8 +298,10 @@ class CompletionsApi:
                 f"field 'model': {model.name} has no chat template (chat_template.jinja, or chat_template in "
                 "tokenizer_config.json): use /v1/completions"
             )
+        if sum(len(m["content"]) for m in messages) > model.defaults.max_prompt_tokens * CHARS_PER_TOKEN:
+            encoded(model, "".join(m["content"] for m in messages), "messages")  # refused, unrendered
         text = template.render(messages, _bool(doc, "add_generation_prompt", True))
-        return model.encode(text, special_tokens=False)
+        return encoded(model, text, "messages", special_tokens=False)
 
     # --- the answer -----------------------------------------------------------------------------------
 

@@ -21,10 +21,12 @@ from service.models.generation.capability import GenerationChunk, GenerationRequ
 from service.serving.dataplane import DataPlane
 
 __all__ = [
+    "CHARS_PER_TOKEN",
     "MAX_STOPS",
     "GeneratingModel",
     "Sampling",
     "chunks",
+    "encoded",
     "generating_model",
     "generating_models",
     "generation_request",
@@ -33,6 +35,9 @@ __all__ = [
 MAX_STOPS = 16  # stop strings and stop token ids a request may give, each
 MAX_STOP_CHARS = 256  # characters of one stop string
 MAX_SEED = 2**63
+# A text longer than this many characters for each token the model takes is refused before it is encoded (on
+# the event loop): no tokenizer packs that much into a token, and a body of megabytes costs no encoding.
+CHARS_PER_TOKEN = 64
 
 
 class GeneratingModel(ServedVersion, Generator, Protocol):
@@ -55,6 +60,18 @@ def generating_models(plane: DataPlane) -> list[str]:
         if isinstance(m, Generator) and m.name not in names:
             names.append(m.name)
     return names
+
+
+def encoded(model: Generator, text: str, field: str, special_tokens: bool = True) -> list[int]:
+    """`text` as the model's tokenizer encodes it; InvalidArgument naming `field` for a text far longer than
+    any prompt the model takes, before it is encoded."""
+    limit = model.defaults.max_prompt_tokens * CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise InvalidArgument(
+            f"field '{field}' has {len(text):,} characters: far more than the model's "
+            f"{model.defaults.max_prompt_tokens} prompt tokens hold"
+        )
+    return model.encode(text, special_tokens)
 
 
 @dataclass(frozen=True)

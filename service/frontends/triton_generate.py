@@ -25,7 +25,14 @@ from typing import Any
 from aiohttp import web
 
 from service.errors import InvalidArgument, ServingError, quote
-from service.frontends.generation import GeneratingModel, Sampling, chunks, generating_model, generation_request
+from service.frontends.generation import (
+    GeneratingModel,
+    Sampling,
+    chunks,
+    encoded,
+    generating_model,
+    generation_request,
+)
 from service.frontends.statuses import http_status
 from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.serving.dataplane import DataPlane
@@ -89,7 +96,7 @@ def triton_generation(
     prepend = not stream if exclude is None else not exclude
     if prepend and stream:
         raise InvalidArgument("field 'exclude_input_in_output': a stream sends only the new text (leave it out)")
-    ids = model.encode(text)
+    ids = encoded(model, text, "text_input")
     request = generation_request(model, ids, Sampling.of(fields), "text_input", deadline)
     extras = frozenset(k for k in EXTRAS if flags[k])
     return Generation(model, text, request, prepend, extras)

@@ -224,6 +224,10 @@ BAD = [  # (endpoint, body, status, the field the message names)
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "gpt2", "prompt": "the " * 3000}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt2", "prompt": "x" * 300_000}, 400, "prompt"),  # refused unencoded
+    ("/v1/completions", {"model": "gpt2", "prompt": ["a"] * 65}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "gpt2", "messages": [{"role": "user", "content": "x" * 300_000}]}, 400,
+     "messages"),
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "stop": {"x": 1}}, 400, "stop"),
     ("/v1/completions", {"model": "gpt2", "prompt": "a", "stop": [""]}, 400, "stop"),
