@@ -320,12 +320,12 @@ def _failed(server: RunningServer, model: str) -> int:
 
 
 def _running(server: RunningServer, model: str) -> float:
-    """The engine's running sequences of `model`, as the server's /metrics reports them (a gauge whose name
-    has "running" under qkv_generation_); 0 when the server reports none."""
+    """The engine's running sequences and the key/value cache they hold, for `model`, as the server's /metrics
+    reports them (qkv_generation_running_sequences, qkv_generation_kv_cache_bytes): 0 once every sequence is
+    freed."""
     with urllib.request.urlopen(server.metrics_url) as r:
         text = r.read().decode()
-    found = RUNNING_METRIC.findall(text)
-    return sum(float(value) for labels, value in found if f'model="{model}"' in labels)
+    return sum(float(value) for labels, value in ENGINE_USE.findall(text) if f'model="{model}"' in labels)
 
 
 def _wait_for(check: Any, seconds: float = 10) -> None:
@@ -335,7 +335,7 @@ def _wait_for(check: Any, seconds: float = 10) -> None:
         time.sleep(0.02)
 
 
-RUNNING_METRIC = re.compile(r"^qkv_generation_\w*running\w*\{([^}]*)\} (\S+)$", re.MULTILINE)
+ENGINE_USE = re.compile(r"^qkv_generation_(?:running_sequences|kv_cache_bytes)\{([^}]*)\} (\S+)$", re.MULTILINE)
 LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}  # seconds of decoding: cancelled long before
 
 
