@@ -328,7 +328,7 @@ def _running(server: RunningServer, model: str) -> float:
     return sum(float(value) for labels, value in ENGINE_USE.findall(text) if f'model="{model}"' in labels)
 
 
-def _wait_for(check: Any, seconds: float = 10) -> None:
+def _wait_for(check: Any, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, "not within the time allowed"
@@ -336,7 +336,8 @@ def _wait_for(check: Any, seconds: float = 10) -> None:
 
 
 ENGINE_USE = re.compile(r"^qkv_generation_(?:running_sequences|kv_cache_bytes)\{([^}]*)\} (\S+)$", re.MULTILINE)
-LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}  # seconds of decoding: cancelled long before
+# 1,900 steps (a second or more of decoding, at least 0.5 ms a step): cancelled long before the end
+LONG = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0}
 
 
 def test_a_client_that_leaves_closes_its_sequence(server: RunningServer) -> None:
@@ -354,9 +355,9 @@ def test_a_client_that_leaves_closes_its_sequence(server: RunningServer) -> None
             response = await session.post(f"http://{server.http_url}/v1/completions", json=body)
             assert (await response.content.readline()).startswith(b"data: ")
             response.close()  # the connection goes, mid-stream
-            body = {"model": MODEL, "prompt": PROMPTS[1]} | LONG
+            body = {"model": MODEL, "prompt": PROMPTS[1], "n": 8} | LONG  # 8 sequences, given up on at 0.2 s
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.3):
+                async with asyncio.timeout(0.2):
                     await session.post(f"http://{server.http_url}/v1/completions", json=body)
 
     asyncio.run(leave())
@@ -373,7 +374,7 @@ def test_a_client_that_leaves_closes_its_sequence(server: RunningServer) -> None
     assert error is None and not result.get_response().parameters["triton_final_response"].bool_param
     client.stop_stream(cancel_requests=True)
     client.close()
-    _wait_for(lambda: _failed(server, MODEL) == before + 3)
+    _wait_for(lambda: _failed(server, MODEL) == before + 10)  # 1 + 8 + 1 sequences
     _wait_for(lambda: _running(server, MODEL) == 0)
 
 
