@@ -362,6 +362,97 @@ def _layout() -> list[tuple[Panel, int, int]]:
             8,
             8,
         ),
+        (_row("Generation"), 24, 1),
+        (
+            _timeseries(
+                "Time to first token",
+                "p50 and p99 from a generation request's arrival to its first token "
+                "(qkv_generation_time_to_first_token_seconds): queue wait, prefill and one step.",
+                "s",
+                _targets(
+                    (_quantile(0.5, "qkv_generation_time_to_first_token_seconds", "model"), "p50 {{model}}"),
+                    (_quantile(0.99, "qkv_generation_time_to_first_token_seconds", "model"), "p99 {{model}}"),
+                ),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Time per output token",
+                "p50 and p99 of an answer's time after its first token per further token, by prompt length "
+                "(qkv_generation_time_per_output_token_seconds): what a streaming reader sees between tokens.",
+                "s",
+                _targets(
+                    (
+                        _quantile(0.5, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens"),
+                        "p50 {{model}} prompt<={{prompt_tokens}}",
+                    ),
+                    (
+                        _quantile(0.99, "qkv_generation_time_per_output_token_seconds", "model, prompt_tokens"),
+                        "p99 {{model}} prompt<={{prompt_tokens}}",
+                    ),
+                ),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Tokens/s",
+                "Output tokens written and prompt tokens read per second (qkv_generation_tokens_total).",
+                "short",
+                _targets(
+                    (_or_zero(_rate("qkv_generation_tokens_total", "model", 'kind="output"')), "output {{model}}"),
+                    (_or_zero(_rate("qkv_generation_tokens_total", "model", 'kind="prompt"')), "prompt {{model}}"),
+                ),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Running batch",
+                "Sequences in the running batch at the last step (qkv_generation_running_sequences).",
+                "short",
+                _targets(
+                    (_or_zero(f"sum by (model) (qkv_generation_running_sequences{{{SEL}}})"), "running {{model}}"),
+                ),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "KV cache use",
+                "Key/value cache the running sequences hold (qkv_generation_kv_cache_bytes) over the budget they "
+                "may reserve (qkv_generation_kv_cache_budget_bytes, limits.cache_bytes).",
+                "percentunit",
+                _targets(
+                    (
+                        f"sum by (model) (qkv_generation_kv_cache_bytes{{{SEL}}}) / "
+                        f"sum by (model) (qkv_generation_kv_cache_budget_bytes{{{SEL}}})",
+                        "cache {{model}}",
+                    ),
+                ),
+            ),
+            8,
+            8,
+        ),
+        (
+            _timeseries(
+                "Generation queue wait",
+                "p50 and p99 of a request's wait before it joined the running batch "
+                "(qkv_generation_queue_wait_seconds): the batch full, or the cache budget spent.",
+                "s",
+                _targets(
+                    (_quantile(0.5, "qkv_generation_queue_wait_seconds", "model"), "p50 {{model}}"),
+                    (_quantile(0.99, "qkv_generation_queue_wait_seconds", "model"), "p99 {{model}}"),
+                ),
+            ),
+            8,
+            8,
+        ),
         (_row("Models"), 24, 1),
         (
             {

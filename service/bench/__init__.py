@@ -9,6 +9,7 @@
     qkv bench --lexicon                       # g2p: 64 words from the lexicon against the same 64 cached
     qkv bench --sequences                     # a stateful model: 64 sequences at once vs one at a time
     qkv bench --text-model DIR                # a Hugging Face text folder served, against its ceiling
+    qkv bench --generation-model DIR          # an exported generator: qkv's engine against optimum's generate
 
 Against a running server (--url, default $QKV_URL or 127.0.0.1:8001, and --model): any model it serves,
 each request one row made from the model's metadata, of a length from --lengths or, without it, from 1
@@ -85,6 +86,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sequences", action="store_true", help="stateful steps: 64 sequences at once vs one")
     parser.add_argument("--text-model", type=Path, metavar="DIR", help="a text model's exported folder, served")
     parser.add_argument("--text-source", type=Path, metavar="DIR", help="--text-model: sentence-transformers' folder")
+    parser.add_argument(
+        "--generation-model", type=Path, metavar="DIR", help="an exported generation folder: engine vs optimum"
+    )
     parser.add_argument("--model-repository", type=Path, help="default: models (a --url run needs none)")
     parser.add_argument("--url", default=server_url(), help=f"server HOST:PORT (default: $QKV_URL, else {DEFAULT_URL})")
     parser.add_argument("--model", default="g2p_encoder", help="any model the server at --url serves")
@@ -146,6 +150,12 @@ def main(argv: list[str]) -> int:
 
         print(text_model_table(text_model_bench(args.text_model, args.out, args.seconds, args.text_source)))
         print(f"wrote {args.out / 'text_model.json'}")
+        return 0
+    if args.generation_model:
+        from service.bench.generation import generation_bench, generation_table
+
+        print(generation_table(generation_bench(args.generation_model, args.out)))
+        print(f"wrote {args.out / 'generation.json'}")
         return 0
     if args.sequences:
         from service.bench.sequences import sequences_bench, sequences_table

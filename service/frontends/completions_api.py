@@ -1,5 +1,5 @@
 """OpenAI's completions and chat completions for generating models, on the REST front end's port
-(docs/generation-interfaces.md, "Interfaces").
+(docs/generation.md, "Interfaces").
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
                                  "stream", "stream_options", ...} -> choices of text

@@ -1,4 +1,4 @@
-"""What every front end of a generating model shares (docs/generation-interfaces.md, "Interfaces").
+"""What every front end of a generating model shares (docs/generation.md, "Interfaces").
 
 A generating model is found by its capability (`Generator`), not by its kind. Each front end reads its
 wire format into `Sampling` fields, which `generation_request` checks against the model's

@@ -1,4 +1,4 @@
-"""ModelStreamInfer for a generating model: decoupled, one response a chunk (docs/generation-interfaces.md,
+"""ModelStreamInfer for a generating model: decoupled, one response a chunk (docs/generation.md,
 "Interfaces").
 
 A request holds `text_input` (BYTES [1]) and, as the inputs of Triton's vLLM backend, optional `stream`,

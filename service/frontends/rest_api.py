@@ -200,7 +200,7 @@ class RestServer:
             "unregister": ("POST", self._shm_unregister),
         }
         self._text = TextApi(plane, self._body)  # OpenAI- and TEI-shaped endpoints of text models
-        # Generating models: OpenAI's completions and chat, Triton's generate (docs/generation-interfaces.md).
+        # Generating models: OpenAI's completions and chat, Triton's generate (docs/generation.md).
         self._completions = CompletionsApi(plane, self._body)
         self._triton_generate = TritonGenerate(plane)
 

@@ -1,5 +1,5 @@
 """Triton's generate extension and decoupled ModelStreamInfer for generating models, as Triton's vLLM backend
-answers them (docs/generation-interfaces.md, "Interfaces").
+answers them (docs/generation.md, "Interfaces").
 
     POST /v2/models/M/generate         {"text_input", "parameters": {"max_tokens", "temperature", ...}}
                                         -> {"model_name", "model_version", "text_output"}

@@ -17,7 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 if TYPE_CHECKING:  # aiohttp is imported only when the port is served
     from service.observability.metrics_http import MetricsServer
 
-__all__ = ["SEQ_LEN_BUCKETS", "UNKNOWN_MODEL", "Metrics", "ModelObserver", "VersionSeries", "seq_len_bucket"]
+__all__ = [
+    "SEQ_LEN_BUCKETS",
+    "UNKNOWN_MODEL",
+    "GenerationObserver",
+    "Metrics",
+    "ModelObserver",
+    "VersionSeries",
+    "prompt_bucket",
+    "seq_len_bucket",
+]
 
 SEQ_LEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 # Every label value comes from a fixed set: a model label names a model of the repository, and
@@ -62,6 +71,16 @@ COMPUTE_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REQUEST_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+# Generation: a prompt's length, the label time per output token is split by (a long prompt's answer
+# attends to more, and a chunked prefill shares its steps).
+PROMPT_BUCKETS = (128, 512, 2048)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
+
+
+def prompt_bucket(tokens: int) -> str:
+    """The label of a prompt's length: '128', '512', '2048' (the smallest bound it is within) or 'inf'."""
+    i = bisect.bisect_left(PROMPT_BUCKETS, tokens)
+    return str(PROMPT_BUCKETS[i]) if i < len(PROMPT_BUCKETS) else "inf"
 
 
 def seq_len_bucket(length: int) -> str:
@@ -211,13 +230,49 @@ class Metrics:
             "qkv_truncated_requests", "Text model requests with an input cut to the model's max_length",
             ["model", "version"], registry=r,
         )  # fmt: skip
+        # Generation models (docs/generation.md).
+        self.time_to_first_token = Histogram(
+            "qkv_generation_time_to_first_token_seconds", "From a generation request's arrival to its first token",
+            ["model", "version"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.time_per_output_token = Histogram(
+            "qkv_generation_time_per_output_token_seconds",
+            "A generation answer's time after its first token, per further token, by prompt length",
+            ["model", "version", "prompt_tokens"], buckets=TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generated_tokens = Counter(
+            "qkv_generation_tokens", "Tokens a generation model read (prompt) and wrote (output)",
+            ["model", "version", "kind"], registry=r,
+        )  # fmt: skip
+        self.running_sequences = Gauge(
+            "qkv_generation_running_sequences", "Sequences in a generation model's running batch at its last step",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
+        self.kv_cache_bytes = Gauge(
+            "qkv_generation_kv_cache_bytes", "Key/value cache the running sequences hold", ["model", "version"],
+            registry=r,
+        )  # fmt: skip
+        self.kv_cache_budget = Gauge(
+            "qkv_generation_kv_cache_budget_bytes", "Key/value cache the running sequences may reserve",
+            ["model", "version"], registry=r,
+        )  # fmt: skip
+        self.generation_queue_wait = Histogram(
+            "qkv_generation_queue_wait_seconds", "A generation request's wait before it joined the running batch",
+            ["model", "version"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generation_step = Histogram(
+            "qkv_generation_step_seconds", "One decoding step of a generation model's running batch",
+            ["model", "version"], buckets=COMPUTE_BUCKETS, registry=r,
+        )  # fmt: skip
         # The series of one model version: they go when it is unloaded.
         self._per_version: list[Counter | Gauge | Histogram] = [
             self.request_duration, self.queue_duration, self.compute_duration, self.batch_size, self.padding_ratio,
             self.requests, self.inflight, self.queue_depth, self.tokens, self.model_info, self.batch_tokens,
             self.dropped, self.failed_computations, self.batching_setting, self.ensemble_steps,
             self.ensemble_step_duration, self.live_sequences, self.sequence_state_bytes, self.expired_sequences,
-            self.request_tokens, self.tokenize_duration, self.truncated_requests,
+            self.request_tokens, self.tokenize_duration, self.truncated_requests, self.time_to_first_token,
+            self.time_per_output_token, self.generated_tokens, self.running_sequences, self.kv_cache_bytes,
+            self.kv_cache_budget, self.generation_queue_wait, self.generation_step,
         ]  # fmt: skip
         if not enabled:
             self._per_version = []
@@ -356,3 +411,41 @@ class ModelObserver:
 
     def sequences_expired(self, count: int) -> None:
         self._metrics.expired_sequences.labels(*self._labels).inc(count)
+
+    def generation(self, cache_budget: int) -> GenerationObserver:
+        """The observer of a generation model's engine."""
+        return GenerationObserver(self._metrics, *self._labels, cache_budget)
+
+
+class GenerationObserver:
+    """A generation engine's observer: steps, first tokens and answers into the generation series."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str, cache_budget: int) -> None:
+        labels = (model, version)
+        self._metrics, self._labels = metrics, labels
+        self._first = metrics.time_to_first_token.labels(*labels)
+        self._prompt = metrics.generated_tokens.labels(*labels, "prompt")
+        self._output = metrics.generated_tokens.labels(*labels, "output")
+        self._running = metrics.running_sequences.labels(*labels)
+        self._cache = metrics.kv_cache_bytes.labels(*labels)
+        self._wait = metrics.generation_queue_wait.labels(*labels)
+        self._step = metrics.generation_step.labels(*labels)
+        self._per_token = {b: metrics.time_per_output_token.labels(*labels, b)
+                           for b in (*map(str, PROMPT_BUCKETS), "inf")}  # fmt: skip
+        metrics.kv_cache_budget.labels(*labels).set(cache_budget)
+
+    def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None:
+        self._running.set(running)
+        self._cache.set(cache_bytes)
+        self._step.observe(seconds)
+
+    def first_token(self, seconds: float, queued: float) -> None:
+        self._first.observe(seconds)
+        self._wait.observe(queued)
+
+    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float, first: float) -> None:
+        """An answer ended: `seconds` from arrival, `first` of them to its first token."""
+        self._prompt.inc(prompt_tokens)
+        self._output.inc(completion_tokens)
+        if completion_tokens > 1:
+            self._per_token[prompt_bucket(prompt_tokens)].observe((seconds - first) / (completion_tokens - 1))

@@ -59,6 +59,13 @@ METRICS = {
     "qkv_live_sequences": "gauge",
     "qkv_sequence_state_bytes": "gauge",
     "qkv_expired_sequences": "counter",
+    "qkv_generation_time_to_first_token_seconds": "histogram",
+    "qkv_generation_time_per_output_token_seconds": "histogram",
+    "qkv_generation_tokens": "counter",
+    "qkv_generation_running_sequences": "gauge",
+    "qkv_generation_kv_cache_bytes": "gauge",
+    "qkv_generation_kv_cache_budget_bytes": "gauge",
+    "qkv_generation_queue_wait_seconds": "histogram",
 }
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 EXPOSED = {name + suffix: name for name, kind in METRICS.items() for suffix in SUFFIXES[kind]}

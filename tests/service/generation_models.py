@@ -27,7 +27,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE", "GREEDY_TOKENS", "PROMPTS", "TEXT", "causal_folder", "exported", "greedy_answers", "seq2seq_folder"]
+__all__ = [
+    "CACHE",
+    "GREEDY_TOKENS",
+    "LONG_PROMPT",
+    "PROMPTS",
+    "TEXT",
+    "causal_folder",
+    "exported",
+    "greedy_answers",
+    "seq2seq_folder",
+]
 
 # Where the exports are kept: QKV_GENERATION_MODELS, or a folder in the temporary directory.
 CACHE = Path(os.environ.get("QKV_GENERATION_MODELS") or Path(tempfile.gettempdir()) / "qkv-generation-models")
@@ -55,6 +65,8 @@ PROMPTS: tuple[str, ...] = tuple(
     " ".join(_WORDS[(7 * i) % len(_WORDS) : (7 * i) % len(_WORDS) + 1 + (i * 5) % 37]) for i in range(64)
 )
 
+# A prompt of some 700 tokens: longer than a step's token budget, so the engine prefills it in chunks.
+LONG_PROMPT = " ".join([TEXT.replace("\n", " ")] * 3)
 VOCAB = 500
 GREEDY_TOKENS = 32  # max_new_tokens of the greedy answers kept with each build (greedy.json)
 N_POSITIONS = 2048  # GPT-2's positions: room for a 2,000-token prompt
@@ -122,12 +134,12 @@ def _export(saved: Path, out: Path, task: str) -> None:
 
 
 def _greedy(model: Any, tokenizer: Any, root: Path, decoder_only: bool) -> None:
-    """transformers' greedy answers to PROMPTS (batch 1, no padding), EOS included, kept as greedy.json."""
+    """transformers' greedy answers to PROMPTS and LONG_PROMPT (batch 1, no padding), EOS included: greedy.json."""
     import torch
 
     answers = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in (*PROMPTS, LONG_PROMPT):
             ids = tokenizer(prompt, return_tensors="pt")
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             out = model.generate(**ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=pad)
@@ -136,7 +148,7 @@ def _greedy(model: Any, tokenizer: Any, root: Path, decoder_only: bool) -> None:
 
 
 def greedy_answers(folder: Path) -> list[list[int]]:
-    """The greedy answers kept with a build: one token list a prompt of PROMPTS."""
+    """The greedy answers kept with a build: one token list a prompt of PROMPTS, then LONG_PROMPT's."""
     answers: list[list[int]] = json.loads((folder / "greedy.json").read_text())
     return answers
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,21 @@ from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument, ResourceExhausted
 from service.models.generation.capability import GenerationChunk, GenerationRequest
+from service.models.generation.choosing import Chooser
+from service.models.generation.detokenize import Detokenizer
 from service.models.generation.engine import Sequence
 from service.models.generation.model import GenerationModel
 from service.repository.layout import load_model_config
 from tests.conftest import RunningServer
-from tests.service.generation_models import GREEDY_TOKENS, PROMPTS, causal_folder, greedy_answers, seq2seq_folder
-from tests.service.onnx_models import serving
+from tests.service.generation_models import (
+    GREEDY_TOKENS,
+    LONG_PROMPT,
+    PROMPTS,
+    causal_folder,
+    greedy_answers,
+    seq2seq_folder,
+)
+from tests.service.onnx_models import metric, serving
 
 ARCHITECTURES = ("gpt2", "t5")
 MAX_TOKENS = GREEDY_TOKENS
@@ -45,8 +55,12 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected() -> dict[str, list[list[int]]]:
-    """transformers' greedy answers (batch 1, no padding) to every prompt, kept with each build."""
-    return {a: greedy_answers(_folder(a)) for a in ARCHITECTURES}
+    """transformers' greedy answers (batch 1, no padding) to every prompt, kept with each build; under
+    'ARCHITECTURE-long', to LONG_PROMPT."""
+    answers = {a: greedy_answers(_folder(a)) for a in ARCHITECTURES}
+    return {a: v[: len(PROMPTS)] for a, v in answers.items()} | {
+        f"{a}-long": v[len(PROMPTS) :] for a, v in answers.items()
+    }
 
 
 def _model(repo: Path, architecture: str, **limits: Any) -> GenerationModel:
@@ -55,7 +69,7 @@ def _model(repo: Path, architecture: str, **limits: Any) -> GenerationModel:
         from dataclasses import replace
 
         config = replace(config, limits=limits)
-    model = GenerationModel(config, ["CPUExecutionProvider"], None)  # type: ignore[arg-type]
+    model = GenerationModel(config, ["CPUExecutionProvider"], None)
     model.warm_up()
     return model
 
@@ -239,3 +253,109 @@ def test_a_v2_infer_with_bad_parameters_is_invalid_argument(
             _infer(client, "gpt2", "The quick brown fox", **params)
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert _infer(client, "gpt2", "The quick", max_tokens=2)["completion_tokens"] <= 2  # still serving
+
+
+# --- decoding options ---------------------------------------------------------------------------------------
+
+
+def _answer(model: GenerationModel, prompt: str, **fields: Any) -> list[GenerationChunk]:
+    async def run() -> list[GenerationChunk]:
+        model.start()
+        try:
+            return await _collect(model, GenerationRequest(tuple(model.encode(prompt)), **fields))
+        finally:
+            await model.close()
+
+    return asyncio.run(run())
+
+
+def test_a_long_prompt_prefilled_in_chunks_answers_as_transformers(
+    repo: Path, expected: dict[str, list[list[int]]]
+) -> None:
+    model = _model(repo, "gpt2")
+    prompt = tuple(model.encode(LONG_PROMPT))
+    assert len(prompt) > 3 * model.engine.step_tokens
+    model.engine.step_tokens = 100
+    chunks = _answer(model, LONG_PROMPT, max_tokens=MAX_TOKENS)
+    assert [t for c in chunks for t in c.token_ids] == expected["gpt2-long"][0]
+    assert model.engine.steps >= len(prompt) // 100  # the prompt ran in chunks, not at once
+
+
+def test_sampling_repeats_for_a_seed_and_varies_without_one(repo: Path) -> None:
+    model = _model(repo, "gpt2")
+    fields = {"max_tokens": 24, "do_sample": True, "temperature": 1.5, "top_p": 0.9, "top_k": 40, "ignore_eos": True}
+
+    def tokens(seed: int | None) -> list[int]:
+        return [t for c in _answer(model, PROMPTS[7], seed=seed, **fields) for t in c.token_ids]
+
+    assert tokens(5) == tokens(5)
+    assert len({tuple(tokens(s)) for s in (1, 2, 3)}) == 3
+    greedy = [t for c in _answer(model, PROMPTS[7], max_tokens=24, ignore_eos=True) for t in c.token_ids]
+    assert tokens(5) != greedy
+
+
+def test_a_repetition_penalty_changes_a_repeating_answer(repo: Path, expected: dict[str, list[list[int]]]) -> None:
+    model = _model(repo, "gpt2")
+    i = next(i for i, t in enumerate(expected["gpt2"]) if len(t) == MAX_TOKENS and len(set(t)) < len(t) // 2)
+    plain = [t for c in _answer(model, PROMPTS[i], max_tokens=MAX_TOKENS) for t in c.token_ids]
+    penalised = [t for c in _answer(model, PROMPTS[i], max_tokens=MAX_TOKENS, repetition_penalty=3.0,
+                                    ignore_eos=True) for t in c.token_ids]  # fmt: skip
+    assert plain == expected["gpt2"][i]
+    assert len(set(penalised)) > len(set(plain))
+    # transformers' rule: a seen token's logit divided by the penalty if positive, multiplied if negative
+    chooser = Chooser(False, 1.0, 0, 1.0, 2.0, None)
+    logits = np.array([2.0, -2.0, 3.0, -1.0], dtype=np.float32)
+    np.testing.assert_allclose(chooser.scores(logits, [0, 1, 1]), [1.0, -4.0, 3.0, -1.0])
+
+
+def test_stop_strings_and_stop_token_ids_end_the_answer_with_finish_reason_stop(
+    repo: Path, expected: dict[str, list[list[int]]]
+) -> None:
+    model = _model(repo, "gpt2")
+    i = next(i for i, t in enumerate(expected["gpt2"]) if len(t) == MAX_TOKENS and len(model.decode(t)) > 20)
+    whole = model.decode(expected["gpt2"][i])
+    stop = whole[10:13]
+    chunks = _answer(model, PROMPTS[i], max_tokens=MAX_TOKENS, stop=(stop, "never there"))
+    text = "".join(c.text for c in chunks)
+    assert text == whole[: whole.index(stop)] and chunks[-1].finish_reason == "stop"
+    assert stop not in text
+    token = expected["gpt2"][i][5]
+    chunks = _answer(model, PROMPTS[i], max_tokens=MAX_TOKENS, stop_token_ids=(token,))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == expected["gpt2"][i][: expected["gpt2"][i].index(token) + 1]  # the stop token counted
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].completion_tokens == len(tokens)
+    chunks = _answer(model, PROMPTS[i], max_tokens=4)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 4
+
+
+def test_text_deltas_never_split_a_character(repo: Path) -> None:
+    model = _model(repo, "gpt2")
+    text = "Café, naïve, façade; Zürich, São Paulo and Kraków"
+    ids = model.encode(text)
+    assert any(model.decode([t]).endswith("\ufffd") for t in ids)  # characters split over tokens
+    detokenizer = Detokenizer(model.decode)
+    deltas = [detokenizer.add(t) for t in ids]
+    assert "".join(deltas) + detokenizer.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    held = Detokenizer(model.decode, stop=("São P",))  # a stop string's start is held back, then cut
+    shown = "".join(held.add(t) for t in ids) + held.flush()
+    assert shown == text[: text.index("São P")] and held.stopped
+    chunks = _answer(model, text, max_tokens=48, do_sample=True, seed=3, ignore_eos=True)
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert "".join(c.text for c in chunks) == model.decode(tokens)
+
+
+def test_the_generation_metrics_count_what_was_served(served: RunningServer) -> None:
+    with g.InferenceServerClient(served.url) as client:
+        answers = [_infer(client, "t5", p, max_tokens=8) for p in PROMPTS[:4]]
+    text = urllib.request.urlopen(served.metrics_url).read().decode()
+    labels = {"model": "t5", "version": "1"}
+    assert metric(text, "qkv_generation_tokens_total", kind="output", **labels) >= sum(
+        a["completion_tokens"] for a in answers
+    )
+    assert metric(text, "qkv_generation_time_to_first_token_seconds_count", **labels) >= 4
+    assert metric(text, "qkv_generation_queue_wait_seconds_count", **labels) >= 4
+    assert metric(text, "qkv_generation_time_per_output_token_seconds_count", prompt_tokens="128", **labels) >= 1
+    assert metric(text, "qkv_generation_kv_cache_budget_bytes", **labels) > 0
+    assert metric(text, "qkv_generation_step_seconds_count", **labels) >= 8
+    assert "qkv_generation_running_sequences{" in text and "qkv_generation_kv_cache_bytes{" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.models.generation.planning import MIN_CHUNK, plan_step
+from service.models.generation.planning import MIN_CHUNK, PREFILL_SHARE, plan_step, step_budget
 
 BUDGET = 256
 
@@ -60,3 +60,12 @@ def test_an_encoder_reads_a_prompt_whole_or_it_waits() -> None:
     plan = plan_step([0, 0, 120, 500, 30], budget=200, chunked=False)
     assert plan.prefill == ((2, 120), (4, 30))  # 500 would pass the budget: it waits, a shorter one goes
     assert plan_step([0, 900], budget=200, chunked=False).prefill == ((1, 900),)  # the oldest always goes
+
+
+def test_while_streams_decode_a_step_takes_the_prompt_tokens_its_measured_cost_allows() -> None:
+    # a decoding step of 15 rows costs 2 ms, a prompt token 0.05 ms: 40 prompt tokens cost as much
+    assert step_budget(15, 256, 0.002, 0.00005) == 15 + int(PREFILL_SHARE * 40)
+    assert step_budget(0, 256, 0.002, 0.00005) == 256  # nothing decodes: the whole budget to prompts
+    assert step_budget(15, 256, 0.0, 0.0) == 256  # nothing measured yet
+    assert step_budget(15, 256, 0.002, 0.01) == 15 + MIN_CHUNK  # prefill always moves on
+    assert step_budget(15, 64, 0.002, 0.000001) == 64  # never past batching.token_budget

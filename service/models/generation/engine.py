@@ -34,7 +34,7 @@ from service.models.generation.capability import FinishReason, GenerationChunk, 
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs
-from service.models.generation.planning import Plan, plan_step
+from service.models.generation.planning import Plan, plan_step, step_budget
 
 __all__ = ["Engine", "EngineObserver", "Sequence"]
 
@@ -48,13 +48,13 @@ class EngineObserver(Protocol):
 
     def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
     def first_token(self, seconds: float, queued: float) -> None: ...
-    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
+    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float, first: float) -> None: ...
 
 
 class _NoObserver:
     def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
     def first_token(self, seconds: float, queued: float) -> None: ...
-    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float) -> None: ...
+    def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float, first: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -68,6 +68,7 @@ class Sequence:
     reserved: int = 0  # cache bytes reserved in the budget
     arrived: float = field(default_factory=time.monotonic)
     joined: float = 0.0  # when it joined the running batch
+    first: float = 0.0  # when its first token came
     done: int = 0  # prompt tokens in the cache (decoder-only) / 1 once encoded (encoder-decoder)
     cache: list[np.ndarray] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -104,6 +105,8 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
+        self.decode_seconds = 0.0  # a decoding call's time, smoothed (decoder-only)
+        self.token_seconds = 0.0  # a prefill call's time per prompt token, smoothed
         self.steps = 0
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -130,8 +133,8 @@ class Engine:
             )
         sequence.reserved = need
         with self._lock:
-            if self.failure:
-                raise Unavailable(f"model '{self.name}': {self.failure}")
+            if self.failure or self._closed:
+                raise Unavailable(f"model '{self.name}': {self.failure or 'it is unloading'}")
             if len(self.waiting) >= self.max_waiting:
                 raise ResourceExhausted(
                     f"model '{self.name}' is overloaded: {len(self.waiting)} requests wait for the running batch "
@@ -149,6 +152,7 @@ class Engine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._closed = False
         self._thread = threading.Thread(target=self._work, args=(priority.reserve(1),), name=f"qkv-{self.name}-gen",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -250,7 +254,12 @@ class Engine:
         with self._lock:
             self._drop_gone()
             running = list(self.running)
-        plan = plan_step([self.remaining(s) for s in running], self.step_tokens, chunked=not self.encoder_decoder)
+        remaining = [self.remaining(s) for s in running]
+        budget = self.step_tokens
+        if not self.encoder_decoder:
+            decoding = remaining.count(0)
+            budget = step_budget(decoding, self.step_tokens, self.decode_seconds, self.token_seconds)
+        plan = plan_step(remaining, budget, chunked=not self.encoder_decoder)
         started = time.perf_counter()
         try:
             if self.encoder_decoder:
@@ -276,15 +285,20 @@ class Engine:
     def _causal_step(self, running: list[Sequence], plan: Plan) -> None:
         assert isinstance(self.graph, CausalGraph)
         if plan.decode:
-            rows = [(running[i], [running[i].output[-1]]) for i in plan.decode]
-            self._causal_rows(rows, [True] * len(rows))
+            started = time.perf_counter()
+            for group in _by_length([running[i] for i in plan.decode]):
+                self._causal_rows([(s, [s.output[-1]]) for s in group], [True] * len(group))
+            self.decode_seconds = _smoothed(self.decode_seconds, time.perf_counter() - started)
         if plan.prefill:
             rows, last = [], []
             for i, n in plan.prefill:
                 s = running[i]
                 rows.append((s, list(s.prompt[s.done : s.done + n])))
                 last.append(s.done + n == len(s.prompt))
+            started = time.perf_counter()
             self._causal_rows(rows, last)
+            tokens = sum(n for _, n in plan.prefill)
+            self.token_seconds = _smoothed(self.token_seconds, (time.perf_counter() - started) / tokens)
 
     def _causal_rows(self, rows: list[tuple[Sequence, list[int]]], emits: list[bool]) -> None:
         """Run `rows` (a sequence and its new tokens) in one call; each whose flag is set chooses its next token."""
@@ -383,8 +397,8 @@ class Engine:
         first = not s.output
         s.output.append(token)
         if first:
-            now = time.monotonic()
-            self.observer.first_token(now - s.arrived, s.joined - s.arrived)
+            s.first = time.monotonic()
+            self.observer.first_token(s.first - s.arrived, s.joined - s.arrived)
         reason: FinishReason | None = None
         special = (token in self.eos and not request.ignore_eos) or token in request.stop_token_ids
         text = "" if special else s.detokenizer.add(token)
@@ -410,4 +424,25 @@ class Engine:
             return
         assert chunk is not None
         self._send(s, chunk)
-        self.observer.answered(len(s.prompt), len(s.output), time.monotonic() - s.arrived)
+        self.observer.answered(len(s.prompt), len(s.output), time.monotonic() - s.arrived, s.first - s.arrived)
+
+
+def _smoothed(mean: float, value: float) -> float:
+    """An exponential moving average (the first value taken as it is)."""
+    return value if mean == 0 else 0.5 * mean + 0.5 * value
+
+
+PAD_SLACK = 64  # cache positions a decoding row may be padded by, besides doubling its length
+
+
+def _by_length(rows: list[Sequence]) -> list[list[Sequence]]:
+    """Decoding rows in groups that run as one call each: sorted by cache length, a new group where a row
+    is over twice the group's shortest (plus PAD_SLACK), so a long sequence does not pad every short one
+    to its length (15 rows of 200 beside one of 2,000 cost 45 ms as one call, 6 ms as two)."""
+    groups: list[list[Sequence]] = []
+    for s in sorted(rows, key=lambda s: s.length):
+        if groups and s.length <= 2 * groups[-1][0].length + PAD_SLACK:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups

@@ -24,7 +24,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
-from service.models.generation.engine import Engine, EngineObserver, Message, Sequence
+from service.models.generation.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
@@ -57,8 +57,7 @@ class GenerationModel:
     platform = "qkv_generation"
     compute_span = "qkv.generate"
 
-    def __init__(self, config: ModelConfig, providers: list[Any], observer: ModelObserver,
-                 engine_observer: EngineObserver | None = None) -> None:  # fmt: skip
+    def __init__(self, config: ModelConfig, providers: list[Any], observer: ModelObserver | None) -> None:
         where = f"model '{config.name}' version {config.version}"
         directory = config.directory
         files = graph_files(directory)
@@ -86,14 +85,15 @@ class GenerationModel:
         self.stats = ModelStats()
         self.admission = Admission(config.name, config.batching, 1)
         limits = config.limits
+        budget = int(limits.get("cache_bytes", CACHE_BUDGET))
         self.engine = Engine(
             config.name, graph, self.settings.defaults.eos_token_ids, self.settings.decoder_start,
             self.settings.defaults.max_positions,
-            cache_budget=int(limits.get("cache_bytes", CACHE_BUDGET)),
+            cache_budget=budget,
             step_tokens=config.batching.token_budget if "token_budget" in given else STEP_TOKENS,
             max_running=config.batching.max_batch_size if "max_batch_size" in given else MAX_RUNNING,
             max_waiting=config.batching.max_queue_requests,
-            observer=engine_observer,
+            observer=observer.generation(budget) if observer is not None else None,
         )  # fmt: skip
         self.inputs = [TensorSpec("text_input", "BYTES", (1,), (None,))]
         self.outputs = [TensorSpec(n, t, (1,), (None,)) for n, t in OUTPUTS]
