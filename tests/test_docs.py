@@ -433,6 +433,7 @@ def test_label_values_of_the_metrics_section(exposition: Exposition) -> None:
 def test_every_http_endpoint_label_is_documented() -> None:
     from types import SimpleNamespace
 
+    from service.frontends.completions_api import ENDPOINTS as COMPLETIONS_ENDPOINTS
     from service.frontends.rest_api import RestServer
     from service.frontends.security import BearerTokens
     from service.frontends.shared_memory import SharedMemoryRegistry
@@ -449,6 +450,7 @@ def test_every_http_endpoint_label_is_documented() -> None:
     documented_endpoints = set(codes(cell)) - {"qkv_http_requests_total"}
     code_endpoints = {r.endpoint for r in routes} | {"unknown"}  # unknown: a path that is no route
     code_endpoints |= {endpoint for endpoint, _ in TEXT_ENDPOINTS.values()}  # OpenAI's and TEI's shapes
+    code_endpoints |= {endpoint for endpoint, _ in COMPLETIONS_ENDPOINTS.values()}  # generating models'
     assert_same(documented_endpoints, code_endpoints, 'docs/design.md, "Metrics" endpoint label', "endpoints")
 
 

@@ -23,6 +23,7 @@ from service.callers import Caller
 from service.errors import InvalidArgument, ResourceExhausted, ServingError, quote
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource
+from service.frontends.grpc_generate import stream_generation
 from service.frontends.messages import (
     config_message,
     index_message,
@@ -33,6 +34,7 @@ from service.frontends.messages import (
 from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import grpc_status
+from service.frontends.triton_generate import generates
 from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
 from service.serving.dataplane import MAX_ID_CHARS, MAX_PARAMETERS, DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -328,24 +330,37 @@ class InferenceService:
         """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
         (so they batch together), and is answered as soon as it is done: a failure as error_message, and
         the stream goes on. The stream's deadline bounds every request on it; when the client goes, the
-        requests still queued leave their queues."""
+        requests still queued leave their queues. A generating model's request is decoupled: a response
+        a chunk (grpc_generate.py); a client that goes away closes its sequences."""
+        # (a response, the window it gives back once sent: a request's last response gives back `window`)
         answers: asyncio.Queue[Any] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
+        # A generating model's responses before its request's last, queued and not yet sent, at most.
+        chunk_window = asyncio.Semaphore(STREAM_WINDOW)
         caller = self.tokens.caller_of(context.invocation_metadata())
         uid = cache(partial(self._peer_uid, context))  # found once: a stream's requests share its connection
+
+        async def chunk(reply: Any, last: bool) -> None:
+            if not last:
+                await chunk_window.acquire()
+            answers.put_nowait((reply, window if last else chunk_window))
 
         async def answer(request: Any) -> None:
             memory = None
             try:
+                if generates(self.plane, request.model_name, request.model_version):
+                    decoded = decode_request(request, context, self.plane, "ModelStreamInfer", None, caller)
+                    await stream_generation(self.plane, decoded, chunk)
+                    return
                 memory = _attached(self.regions, request, uid, caller)
                 outcome = await self.plane.infer(
                     decode_request(request, context, self.plane, "ModelStreamInfer", memory, caller)
                 )
-                answers.put_nowait(_stream_answer(request, outcome, memory, self.send_limit))
+                answers.put_nowait((_stream_answer(request, outcome, memory, self.send_limit), window))
             except ServingError as e:
-                answers.put_nowait(_stream_answer(request, e))
+                answers.put_nowait((_stream_answer(request, e), window))
             finally:
                 if memory is not None:
                     memory.close()
@@ -358,7 +373,7 @@ class InferenceService:
                 async for request in requests:
                     if isinstance(request, Refused):  # over a limit on the wire: answered, and the stream goes on
                         await window.acquire()
-                        answers.put_nowait(_stream_answer(request, InvalidArgument(request.reason)))
+                        answers.put_nowait((_stream_answer(request, InvalidArgument(request.reason)), window))
                         continue
                     if isinstance(request, protocol.Undecodable):  # the requests read before it are still answered
                         broken = f"a message on the stream: {request.reason}"
@@ -374,9 +389,10 @@ class InferenceService:
 
         reader = asyncio.create_task(read())
         try:
-            while (reply := await answers.get()) is not _END_OF_STREAM:
+            while (item := await answers.get()) is not _END_OF_STREAM:
+                reply, given_back = item
                 yield reply
-                window.release()
+                given_back.release()
             broken = await reader
             if broken:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, broken)

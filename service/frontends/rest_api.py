@@ -34,6 +34,7 @@ from service.datatypes import encode_bytes
 from service.errors import ConfigError, InvalidArgument, ServingError, clip, quote
 from service.frontends import shared_memory
 from service.frontends.codec import MessageSource, RawSource
+from service.frontends.completions_api import CompletionsApi
 from service.frontends.messages import (
     config_message,
     index_message,
@@ -54,6 +55,7 @@ from service.frontends.rest_codec import (
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import HTTP_STATUS, http_status
 from service.frontends.text_api import TextApi
+from service.frontends.triton_generate import TritonGenerate, generates
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -199,6 +201,9 @@ class RestServer:
             "unregister": ("POST", self._shm_unregister),
         }
         self._text = TextApi(plane, self._body)  # OpenAI- and TEI-shaped endpoints of text models
+        # Generating models: OpenAI's completions and chat, Triton's generate (docs/generation.md).
+        self._completions = CompletionsApi(plane, self._body)
+        self._triton_generate = TritonGenerate(plane)
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -260,6 +265,8 @@ class RestServer:
                 route = self._shared_memory_route(rest)
         if route is None and (text := self._text.route(tuple(parts))) is not None:
             route = _Route(*text)
+        if route is None and (completions := self._completions.route(tuple(parts))) is not None:
+            route = _Route(*completions)
         if route is None:
             raise _Refused(404, f"no endpoint {quote(raw)}: the v2 protocol's paths start /v2 (docs/design.md)")
         if request.method != route.method and not (route.method == "GET" and request.method == "HEAD"):
@@ -520,7 +527,10 @@ class RestServer:
         return _TextInput(text, request_id, parameters(doc.get("parameters", {})), self._caller(request))
 
     async def _generate(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        """Triton's generate extension: text in, text out, and each word's phonemes beside it."""
+        """Triton's generate extension: text in, text out, and each word's phonemes beside it; a generating
+        model's continuation of the text (service/frontends/triton_generate.py)."""
+        if generates(self.plane, model, version):
+            return await self._triton_generate.generate(parse_json(await self._body(request)), model, version)
         body = await self._text_input(request)
         method = "POST /v2/models/{model}/generate"
         outputs = self._word_outputs(model, version)
@@ -584,7 +594,11 @@ class RestServer:
         """generate as server-sent events: each word is its own request, all sent at once (they batch
         together), and each word's event goes out, in the text's order, as soon as it and those before it
         are done; a last event carries the whole text_output. Until the first word is done the answer can
-        still be an error status; a later failure is an `error` event, and the stream ends."""
+        still be an error status; a later failure is an `error` event, and the stream ends. A generating
+        model's answer is one event a chunk (service/frontends/triton_generate.py)."""
+        if generates(self.plane, model, version):
+            doc = parse_json(await self._body(request))
+            return await self._triton_generate.generate_stream(request, doc, model, version)
         body = await self._text_input(request)
         words = self._stream_words(model, version, body.text)
         method = "POST /v2/models/{model}/generate_stream"

@@ -24,6 +24,7 @@ import numpy as np
 from aiohttp import web
 
 from service.errors import InvalidArgument, ServingError, quote
+from service.frontends.generation import generating_models
 from service.frontends.rest_codec import parse_json
 from service.frontends.statuses import http_status
 from service.serving.dataplane import DataPlane
@@ -207,7 +208,8 @@ class TextApi:
         return params
 
     async def _models(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "qkv"} for n in self._text_models()]
+        names = self._text_models() + [n for n in generating_models(self.plane) if n not in self._text_models()]
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "qkv"} for n in names]
         return _json({"object": "list", "data": data})
 
     # --- TEI --------------------------------------------------------------------------------------------
