@@ -472,9 +472,12 @@ class GenerationObserver:
         metrics.kv_cache_budget.labels(*labels).set(cache_budget)
 
     def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None:
+        self._step.observe(seconds)
+
+    def held(self, running: int, cache_bytes: int) -> None:
+        """The running batch and its cache as they are now: after a step, and after sequences leave."""
         self._running.set(running)
         self._cache.set(cache_bytes)
-        self._step.observe(seconds)
 
     def first_token(self, seconds: float, queued: float) -> None:
         self._first.observe(seconds)

@@ -378,11 +378,6 @@ def test_a_client_that_leaves_closes_its_sequence(server: RunningServer) -> None
     _wait_for(lambda: _failed(server, MODEL) == before + 10)  # 1 + 8 + 1 sequences
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine sets its running-batch and cache gauges at each step it takes, and takes none once its "
-    "batch is empty: they keep the last step's values (1 sequence, its cache) after the last sequence is freed",
-)
 def test_the_engines_gauges_fall_back_once_its_streams_are_closed(server: RunningServer) -> None:
     """After a stream closed mid-answer (and nothing else running), /metrics says the running batch is empty
     and holds no key/value cache."""

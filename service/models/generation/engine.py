@@ -47,12 +47,17 @@ class EngineObserver(Protocol):
     """What the engine reports (the metrics module implements it)."""
 
     def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
+    def held(self, running: int, cache_bytes: int) -> None:
+        """The running batch and its cache now: after each step, and after sequences left between steps."""
+        ...
+
     def first_token(self, seconds: float, queued: float) -> None: ...
     def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float, first: float) -> None: ...
 
 
 class _NoObserver:
     def step(self, running: int, tokens: int, cache_bytes: int, seconds: float) -> None: ...
+    def held(self, running: int, cache_bytes: int) -> None: ...
     def first_token(self, seconds: float, queued: float) -> None: ...
     def answered(self, prompt_tokens: int, completion_tokens: int, seconds: float, first: float) -> None: ...
 
@@ -223,13 +228,15 @@ class Engine:
                 self._flush()
 
     def _ready(self) -> bool:
-        self._drop_gone()
+        if self._drop_gone():  # no step may follow (the batch emptied): say what is held now
+            self.observer.held(len(self.running), self.cache_bytes)
         self._flush()
         return bool(self.running) or bool(self.waiting)
 
-    def _drop_gone(self) -> None:
-        """Sequences whose client left or whose deadline passed leave, their caches freed."""
+    def _drop_gone(self) -> bool:
+        """Sequences whose client left or whose deadline passed leave, their caches freed; whether any ran."""
         now = time.monotonic()
+        left = False
         for group in (self.waiting, self.running):
             for s in [
                 s for s in group if s.cancelled or (s.request.deadline is not None and now >= s.request.deadline)
@@ -237,10 +244,12 @@ class Engine:
                 group.remove(s)
                 if group is self.running:
                     self.reserved -= s.reserved
+                    left = True
                 s.cache = []
                 s.freed_at = self.steps
                 if not s.cancelled:
                     self._send(s, DeadlineExceeded(f"model '{self.name}': the request's deadline passed"))
+        return left
 
     def _admit(self) -> None:
         """Waiting sequences join, in order, while the running batch and the cache budget have room."""
@@ -288,8 +297,10 @@ class Engine:
             self.running = [s for s in self.running if not s.finished]
             self.reserved = sum(s.reserved for s in self.running)
             cache = self.cache_bytes
+            held = len(self.running)
         self._flush()
         self.observer.step(len(running), plan.tokens, cache, time.perf_counter() - started)
+        self.observer.held(held, cache)
         return plan
 
     # --- decoder-only -----------------------------------------------------------------------------------
