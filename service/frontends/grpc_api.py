@@ -34,7 +34,7 @@ from service.frontends.messages import (
 from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import grpc_status
-from service.frontends.triton_generate import generates
+from service.frontends.triton_generation import generates
 from service.frontends.wire_limits import WALKED_BYTES, Refused, infer_request_deserializer
 from service.serving.dataplane import MAX_ID_CHARS, MAX_PARAMETERS, DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput

@@ -24,7 +24,7 @@ from service import protocol
 from service.datatypes import InputLimits
 from service.errors import Internal, InvalidArgument, quote
 from service.frontends.generation import chunks
-from service.frontends.triton_generate import EXTRAS, Generation, stream_fields, triton_generation
+from service.frontends.triton_generation import EXTRAS, Generation, stream_fields, triton_generation
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferRequest
 

@@ -55,7 +55,8 @@ from service.frontends.rest_codec import (
 from service.frontends.security import BearerTokens
 from service.frontends.statuses import HTTP_STATUS, http_status
 from service.frontends.text_api import TextApi
-from service.frontends.triton_generate import TritonGenerate, generates
+from service.frontends.triton_generate import TritonGenerate
+from service.frontends.triton_generation import generates
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput

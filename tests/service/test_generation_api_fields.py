@@ -12,7 +12,7 @@ import pytest
 from service.errors import InvalidArgument
 from service.frontends.generation import Sampling, generation_request
 from service.frontends.grpc_generate import BOOL_INPUTS
-from service.frontends.triton_generate import stream_fields
+from service.frontends.triton_generation import stream_fields
 from service.models.generation.capability import GenerationDefaults
 
 DEFAULTS = GenerationDefaults(max_positions=32, max_prompt_tokens=30, max_new_tokens=20, eos_token_ids=(2,))
