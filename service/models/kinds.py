@@ -17,7 +17,7 @@ import math
 import threading
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -49,7 +49,16 @@ from service.seq2seq.vocab import SPECIALS
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["G2PModel", "ModelStats", "Result", "TensorModel", "check_outputs", "checked_feeds", "has_batch_axis"]
+__all__ = [
+    "G2PModel",
+    "ModelStats",
+    "Result",
+    "TensorModel",
+    "check_inputs",
+    "check_outputs",
+    "checked_feeds",
+    "has_batch_axis",
+]
 
 log = logging.getLogger("qkv.models")
 
@@ -139,10 +148,7 @@ def checked_feeds(
 ) -> dict[str, np.ndarray]:
     """`inputs` checked against the model's `specs`; an `optional` one (Triton's `optional: true`) may be
     left out, and the graph then runs without it."""
-    known = {s.name for s in specs}
-    unknown = sorted(set(inputs) - known)
-    if unknown:
-        raise InvalidArgument(f"model '{model}' has no input {quote(unknown[0])} (inputs: {', '.join(sorted(known))})")
+    check_inputs(sorted(s.name for s in specs), inputs, model)
     for s in specs:
         if s.name not in inputs:
             if s.name in optional:
@@ -182,6 +188,14 @@ def _failed_alone(model: str, error: Exception) -> ServingError:
     if isinstance(error, MemoryError) or "allocat" in message.lower():
         return Internal(f"model '{model}' failed on this request: {message}")
     return InvalidArgument(f"model '{model}' cannot run on this request's inputs: {message}")
+
+
+def check_inputs(names: list[str], given: Iterable[str], model: str) -> None:
+    """InvalidArgument naming the first (by name) of the `given` inputs that the model (its inputs `names`)
+    lacks."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise InvalidArgument(f"model '{model}' has no input {quote(unknown[0])} (inputs: {', '.join(names)})")
 
 
 def check_outputs(names: list[str], asked: list[str], model: str) -> None:
@@ -1061,9 +1075,7 @@ class G2PModel:
         deadline: float | None,
         trace: RequestTrace | None = None,
     ) -> Result:
-        unknown = sorted(set(inputs) - {"TEXT"})
-        if unknown:
-            raise InvalidArgument(f"model '{self.name}' has no input {quote(unknown[0])} (inputs: TEXT)")
+        check_inputs(["TEXT"], inputs, self.name)
         if "TEXT" not in inputs:
             raise InvalidArgument(f"model '{self.name}': missing input 'TEXT'")
         text = inputs["TEXT"]

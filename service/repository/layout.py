@@ -46,6 +46,7 @@ __all__ = [
     "config_fingerprint",
     "dependencies",
     "fingerprint",
+    "folder_json",
     "is_generation_folder",
     "load_model",
     "load_model_config",
@@ -66,6 +67,22 @@ MAX_CONFIG_DEPTH = 32
 
 class RepositoryError(Exception):
     """A model that cannot be served: the server refuses to start."""
+
+
+def folder_json(path: Path, where: str, limit: int) -> dict[str, Any]:
+    """A JSON object from an exported folder ({} when the file is absent), refused over `limit` bytes before
+    it is read."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > limit:
+            raise RepositoryError(f"{where}: {path.name} is over {limit:,} bytes")
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RepositoryError(f"{where}: cannot read {path.name}: {e}") from None
+    if not isinstance(value, dict):
+        raise RepositoryError(f"{where}: {path.name} must hold a JSON object")
+    return value
 
 
 PRECISIONS = ("fp32", "int8")  # int8: the same graphs with int8 weights (export/quantize.py), beside them

@@ -3,7 +3,6 @@ defaults (generation_config.json, then config.json, then transformers' own), and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from service.models.generation.capability import GenerationDefaults
-from service.repository.layout import RepositoryError
+from service.repository.layout import RepositoryError, folder_json
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "FolderSettings", "read_folder"]
 
@@ -26,20 +25,6 @@ class FolderSettings:
     decoder_start: int  # an encoder-decoder's first decoder token
     pad: int
     vocab_size: int
-
-
-def _json(path: Path, where: str) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise RepositoryError(f"{where}: {path.name} is over {MAX_FILE_BYTES:,} bytes")
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RepositoryError(f"{where}: cannot read {path.name}: {e}") from None
-    if not isinstance(value, dict):
-        raise RepositoryError(f"{where}: {path.name} must hold a JSON object")
-    return value
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -62,8 +47,8 @@ def read_tokenizer(directory: Path, where: str) -> Tokenizer:
 
 
 def read_folder(directory: Path, encoder_decoder: bool, tokenizer: Tokenizer, where: str) -> FolderSettings:
-    hf = _json(directory / "config.json", where)
-    gen = _json(directory / "generation_config.json", where)
+    hf = folder_json(directory / "config.json", where, MAX_FILE_BYTES)
+    gen = folder_json(directory / "generation_config.json", where, MAX_FILE_BYTES)
 
     def setting(key: str) -> Any:
         return gen[key] if key in gen else hf.get(key)
@@ -76,7 +61,7 @@ def read_folder(directory: Path, encoder_decoder: bool, tokenizer: Tokenizer, wh
     if positions:
         prompt = positions - 1
     else:
-        limit = _json(directory / "tokenizer_config.json", where).get("model_max_length")
+        limit = folder_json(directory / "tokenizer_config.json", where, MAX_FILE_BYTES).get("model_max_length")
         prompt = int(limit) if isinstance(limit, int) and 1 <= limit <= 1 << 20 else UNBOUNDED_PROMPT
     new = setting("max_new_tokens")
     defaults = GenerationDefaults(

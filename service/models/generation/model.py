@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.datatypes import InputLimits
-from service.errors import InvalidArgument, ServingError, quote
+from service.errors import InvalidArgument, ServingError
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
@@ -27,7 +27,7 @@ from service.models.generation.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
-from service.models.kinds import ModelStats, Result, check_outputs
+from service.models.kinds import ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
@@ -225,9 +225,7 @@ class GenerationModel:
         deadline: float | None,
         trace: RequestTrace | None = None,
     ) -> Result:
-        unknown = sorted(set(inputs) - {"text_input"})
-        if unknown:
-            raise InvalidArgument(f"model '{self.name}' has no input {quote(unknown[0])} (inputs: text_input)")
+        check_inputs(["text_input"], inputs, self.name)
         check_outputs([n for n, _ in OUTPUTS], outputs, self.name)
         if "text_input" not in inputs:
             raise InvalidArgument(f"model '{self.name}': missing input 'text_input'")

@@ -28,7 +28,7 @@ from tokenizers import Encoding
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, TensorModel, check_outputs
+from service.models.kinds import ModelStats, Result, TensorModel, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
 from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
@@ -251,10 +251,7 @@ class TextModel:
         trace: RequestTrace | None = None,
     ) -> Result:
         s = self.settings
-        names = [i.name for i in self.inputs]
-        unknown = sorted(set(inputs) - set(names))
-        if unknown:
-            raise InvalidArgument(f"model '{self.name}' has no input {quote(unknown[0])} (inputs: {', '.join(names)})")
+        check_inputs([i.name for i in self.inputs], inputs, self.name)
         check_outputs([o.name for o in self.outputs], outputs, self.name)
         policy = _choice(params, "long_inputs", s.long_inputs, LONG_INPUTS)
         if policy == "chunk" and s.task != "embed":

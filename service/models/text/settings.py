@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from service.repository.layout import RepositoryError
+from service.repository.layout import RepositoryError, folder_json
 
 __all__ = [
     "LONG_INPUTS",
@@ -92,21 +92,6 @@ def is_text_folder(directory: Path) -> bool:
     return (directory / "model.onnx").is_file() and (directory / TOKENIZER_FILE).is_file()
 
 
-def _json(path: Path, where: str) -> dict[str, Any]:
-    """A JSON object from the folder ({} when the file is absent), bounded before it is read."""
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise RepositoryError(f"{where}: {path.name} is over {MAX_FILE_BYTES:,} bytes")
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RepositoryError(f"{where}: cannot read {path.name}: {e}") from None
-    if not isinstance(value, dict):
-        raise RepositoryError(f"{where}: {path.name} must hold a JSON object")
-    return value
-
-
 def _task(hf: dict[str, Any]) -> tuple[str, tuple[str, ...], str]:
     """(task, labels, activation) from the HF config.json: a sequence classifier with one label is a
     cross-encoder (a score a pair), with more a classifier; any other architecture an encoder to embed."""
@@ -128,7 +113,7 @@ def _pooling(directory: Path, where: str) -> tuple[str, bool]:
     modules = _json_list(directory / "modules.json", where)
     normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
     pooling_dir = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Pooling")), "1_Pooling")
-    config = _json(directory / str(pooling_dir) / "config.json", where)
+    config = folder_json(directory / str(pooling_dir) / "config.json", where, MAX_FILE_BYTES)
     for key, mode in (
         ("pooling_mode_cls_token", "cls"),
         ("pooling_mode_lasttoken", "last"),
@@ -154,8 +139,8 @@ def _max_length(directory: Path, hf: dict[str, Any], where: str) -> int:
     """sentence-transformers' max_seq_length (the reference's rule), else the tokenizer's model_max_length,
     else the model's positions."""
     for value in (
-        _json(directory / "sentence_bert_config.json", where).get("max_seq_length"),
-        _json(directory / "tokenizer_config.json", where).get("model_max_length"),
+        folder_json(directory / "sentence_bert_config.json", where, MAX_FILE_BYTES).get("max_seq_length"),
+        folder_json(directory / "tokenizer_config.json", where, MAX_FILE_BYTES).get("model_max_length"),
         hf.get("max_position_embeddings"),
     ):
         if isinstance(value, int | float) and 2 <= value < NO_BOUND:
@@ -165,10 +150,10 @@ def _max_length(directory: Path, hf: dict[str, Any], where: str) -> int:
 
 def read_settings(directory: Path, overrides: dict[str, Any], where: str) -> TextSettings:
     """The settings of the folder `directory`, with config.json's `text` section (`overrides`) over them."""
-    hf = _json(directory / "config.json", where)
+    hf = folder_json(directory / "config.json", where, MAX_FILE_BYTES)
     task, labels, activation = _task(hf)
     pooling, normalize = _pooling(directory, where)
-    st = _json(directory / "config_sentence_transformers.json", where)
+    st = folder_json(directory / "config_sentence_transformers.json", where, MAX_FILE_BYTES)
     prompts = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
     found = TextSettings(
         task=task,
