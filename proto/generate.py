@@ -1,4 +1,4 @@
-"""Compile proto/*.proto into the descriptor set that service.protocol loads.
+"""Compile proto/**/*.proto into the descriptor set that service.protocol loads.
 
     .venv/bin/python proto/generate.py
 
@@ -11,6 +11,7 @@ output depends only on the .proto text (tests/protocol checks it is up to date).
 from __future__ import annotations
 
 import sys
+from importlib import resources
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -21,10 +22,13 @@ DESCRIPTOR_SET = PROTO_DIR.parent / "service" / "protocol" / "inference.binpb"
 
 def compile_descriptor_set(out: Path = DESCRIPTOR_SET) -> Path:
     """Run protoc over every .proto in proto/ and write the descriptor set to ``out``."""
-    sources = sorted(path.name for path in PROTO_DIR.glob("*.proto"))
+    # proto/xds/...: ORCA's load report, under the import paths its own files use.
+    sources = sorted(path.relative_to(PROTO_DIR).as_posix() for path in PROTO_DIR.rglob("*.proto"))
+    well_known = resources.files("grpc_tools") / "_proto"  # google/protobuf/duration.proto
     args = [
         "grpc_tools.protoc",
         f"--proto_path={PROTO_DIR}",
+        f"--proto_path={well_known}",
         f"--descriptor_set_out={out}",
         "--include_imports",
         *sources,

@@ -25,6 +25,7 @@ from service import __version__, protocol
 from service.config import ServerSettings, check
 from service.errors import ConfigError
 from service.frontends import grpc_api, shared_memory
+from service.frontends.orca import LoadReports
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
 from service.models.kinds import Result
@@ -172,9 +173,12 @@ class Server:
         )
         regions = SharedMemoryService(self.shared_memory, self._tokens, bound)
         server.add_generic_rpc_handlers((protocol.generic_handler(regions),))
+        server.add_generic_rpc_handlers((protocol.generic_handler(LoadReports(self.plane), protocol.ORCA_SERVICE),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [protocol.SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=protocol.POOL
+            [protocol.SERVICE_NAME, protocol.ORCA_SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME],
+            server,
+            pool=protocol.POOL,
         )
         address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
         try:

@@ -30,6 +30,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 __all__ = [
+    "ORCA_SERVICE",
+    "ORCA_SERVICE_NAME",
     "POOL",
     "SERVICE",
     "SERVICE_NAME",
@@ -56,6 +58,8 @@ __all__ = [
     "ModelStatisticsRequest",
     "ModelStatisticsResponse",
     "ModelStreamInferResponse",
+    "OrcaLoadReport",
+    "OrcaLoadReportRequest",
     "RepositoryIndexRequest",
     "RepositoryIndexResponse",
     "RepositoryModelLoadRequest",
@@ -102,6 +106,8 @@ def _load_pool() -> descriptor_pool.DescriptorPool:
 
 POOL = _load_pool()
 SERVICE: ServiceDescriptor = POOL.FindServiceByName(SERVICE_NAME)
+ORCA_SERVICE_NAME = "xds.service.orca.v3.OpenRcaService"  # load reports for gRPC's balancers (gRFC A51)
+ORCA_SERVICE: ServiceDescriptor = POOL.FindServiceByName(ORCA_SERVICE_NAME)
 
 
 @cache
@@ -165,6 +171,9 @@ SystemSharedMemoryRegisterRequest = message_class("SystemSharedMemoryRegisterReq
 SystemSharedMemoryRegisterResponse = message_class("SystemSharedMemoryRegisterResponse")
 SystemSharedMemoryUnregisterRequest = message_class("SystemSharedMemoryUnregisterRequest")
 SystemSharedMemoryUnregisterResponse = message_class("SystemSharedMemoryUnregisterResponse")
+# ORCA out-of-band load reports (proto/xds/)
+OrcaLoadReport = message_class("xds.data.orca.v3.OrcaLoadReport")
+OrcaLoadReportRequest = message_class("xds.service.orca.v3.OrcaLoadReportRequest")
 
 
 class DataType(enum.IntEnum):
@@ -247,8 +256,9 @@ def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     return guarded_sync
 
 
-def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
-    """Handlers for the RPCs ``implementation`` has a method for, keyed by RPC name (``"ModelInfer"``).
+def method_handlers(implementation: object, service: ServiceDescriptor = SERVICE) -> dict[str, grpc.RpcMethodHandler]:
+    """Handlers for the RPCs of ``service`` (the inference service unless named) ``implementation`` has a
+    method for, keyed by RPC name (``"ModelInfer"``).
 
     ``implementation.ModelInfer(request, context)`` receives and returns our message classes; it
     may be ``async`` (grpc.aio). RPCs it lacks are left out, so gRPC answers them UNIMPLEMENTED.
@@ -257,7 +267,7 @@ def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
     For ``server.add_registered_method_handlers(SERVICE_NAME, ...)``.
     """
     handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for method in SERVICE.methods:
+    for method in service.methods:
         behaviour = getattr(implementation, method.name, None)
         if behaviour is None:
             continue
@@ -271,10 +281,10 @@ def method_handlers(implementation: object) -> dict[str, grpc.RpcMethodHandler]:
     return handlers
 
 
-def generic_handler(implementation: object) -> grpc.GenericRpcHandler:
-    """``inference.GRPCInferenceService`` served by ``implementation`` (see ``method_handlers``),
-    for ``server.add_generic_rpc_handlers((generic_handler(servicer),))``."""
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(implementation))
+def generic_handler(implementation: object, service: ServiceDescriptor = SERVICE) -> grpc.GenericRpcHandler:
+    """``service`` (``inference.GRPCInferenceService`` unless named) served by ``implementation`` (see
+    ``method_handlers``), for ``server.add_generic_rpc_handlers((generic_handler(servicer),))``."""
+    return grpc.method_handlers_generic_handler(service.full_name, method_handlers(implementation, service))
 
 
 class Stub:

@@ -34,5 +34,12 @@ def test_committed_descriptor_set_is_up_to_date(tmp_path: Path) -> None:
 
 def test_descriptor_set_holds_only_our_files_without_source_info() -> None:
     files = _read_set(ROOT / "service" / "protocol" / "inference.binpb").file
-    assert [file.name for file in files] == ["model_config.proto", "grpc_service.proto"]
-    assert all(file.package == "inference" and not file.HasField("source_code_info") for file in files)
+    packages = {file.name: file.package for file in files}
+    assert packages == {
+        "model_config.proto": "inference",
+        "grpc_service.proto": "inference",
+        "xds/data/orca/v3/orca_load_report.proto": "xds.data.orca.v3",  # ORCA, vendored
+        "xds/service/orca/v3/orca.proto": "xds.service.orca.v3",
+        "google/protobuf/duration.proto": "google.protobuf",  # ORCA's import
+    }
+    assert not any(file.HasField("source_code_info") for file in files)

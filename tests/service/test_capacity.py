@@ -8,11 +8,15 @@ import math
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as g
 
+from service import protocol
+from service.frontends.orca import MIN_INTERVAL_S
 from service.scheduling.admission import DEMAND_HORIZON_S, Admission, Demand
 from service.scheduling.config import BatchingConfig
 from tests.conftest import RunningServer
@@ -105,3 +109,37 @@ def test_the_server_exports_each_models_signal_and_their_sum(server: RunningServ
     while sample(scrape(server), "qkv_utilization", model="b", version="1") is not None:
         assert time.monotonic() < deadline, "b's series outlived its unload"
         time.sleep(0.1)
+
+
+def load_reports(server: RunningServer, count: int, interval_s: float = 0.0) -> list[Any]:
+    """`count` reports of ORCA's out-of-band stream, as gRPC's weighted round robin opens it."""
+    with grpc.insecure_channel(server.url) as channel:
+        stream = channel.unary_stream(
+            f"/{protocol.ORCA_SERVICE_NAME}/StreamCoreMetrics",
+            request_serializer=protocol.OrcaLoadReportRequest.SerializeToString,
+            response_deserializer=protocol.OrcaLoadReport.FromString,
+        )
+        request = protocol.OrcaLoadReportRequest()
+        request.report_interval.FromNanoseconds(int(interval_s * 1e9))
+        call = stream(request, timeout=30)
+        reports = [next(call) for _ in range(count)]
+        call.cancel()
+        return reports
+
+
+def test_orca_reports_carry_the_same_signal_to_grpc_balancers(server: RunningServer) -> None:
+    client = g.InferenceServerClient(server.url)
+    client.load_model("b")
+    t0 = time.monotonic()
+    first, second = load_reports(server, 2, interval_s=0.01)  # asks for 10 ms: gets MIN_INTERVAL_S
+    assert time.monotonic() - t0 >= MIN_INTERVAL_S
+    assert {"a/1", "b/1"} <= set(first.utilization)
+    assert first.application_utilization == pytest.approx(sum(first.utilization.values()))
+    assert first.named_metrics["queue_wait_seconds"] == 0  # nothing queued
+    assert 0 < second.mem_utilization <= 1
+    for _ in range(40):
+        client.infer("a", encoder_inputs())
+    (report,) = load_reports(server, 1)
+    assert report.utilization["a/1"] > 0 and report.utilization["b/1"] == 0
+    assert report.application_utilization == pytest.approx(report.utilization["a/1"], rel=0.05)
+    assert "queue_wait_seconds/a/1" in report.named_metrics
