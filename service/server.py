@@ -27,7 +27,7 @@ from service.errors import ConfigError
 from service.frontends import grpc_api, shared_memory
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
-from service.models.kinds import Result
+from service.models.common import Result
 from service.models.response_cache import ResponseCache
 from service.observability import logs
 from service.observability.metrics import CacheMetrics, Metrics

@@ -263,10 +263,11 @@ def _is_limits(node: ast.AST) -> bool:
 
 
 def limit_reads() -> dict[tuple[str, str], Any]:
-    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/kinds.py
-    and service/models/generation/model.py."""
+    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/tensor/model.py,
+    g2p/model.py and generation/model.py."""
     reads: dict[tuple[str, str], Any] = {}
-    trees = [ast.parse((ROOT / "service" / "models" / f).read_text()) for f in ("kinds.py", "generation/model.py")]
+    files = ("tensor/model.py", "g2p/model.py", "generation/model.py")
+    trees = [ast.parse((ROOT / "service" / "models" / f).read_text()) for f in files]
     for cls in (n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)):
         kind = next(
             (
@@ -296,7 +297,7 @@ def limit_reads() -> dict[tuple[str, str], Any]:
 def test_every_limit_is_documented_with_its_kind_and_default() -> None:
     reads = limit_reads()
     assert {kind for _, kind in reads} == {"tensor", "g2p", "generation"}, (
-        f"the scan of service/models/kinds.py and generation/model.py found {sorted(reads)}"
+        f"the scan of service/models/tensor/, g2p/ and generation/model.py found {sorted(reads)}"
     )
     rows = table(section(CONFIGURATION, "`limits`"), "key")
     docs = {(codes(row[0])[0], row[1]): row for row in rows}

@@ -16,12 +16,15 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import ServingError
-from service.models.ensemble import EnsembleModel, Steps
+from service.models.common import ModelStats, Result
+from service.models.ensemble.model import EnsembleModel, Steps
+from service.models.g2p.model import G2PModel
+from service.models.g2p.runtime import G2PRuntime
 from service.models.generation.model import build_generation_model
-from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
 from service.models.response_cache import ResponseCache
-from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
-from service.models.stateful import StatefulTensorModel
+from service.models.runtime import TensorRuntime, TensorSpec
+from service.models.tensor.model import TensorModel
+from service.models.tensor.stateful import StatefulTensorModel
 from service.models.text import build_text_model
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads

@@ -36,7 +36,7 @@ from service.errors import (
 )
 from service.models.catalog import ServedVersion
 from service.models.classification import classify
-from service.models.kinds import Result
+from service.models.common import Result
 from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.observability import logs
@@ -268,7 +268,7 @@ class DataPlane:
             return self.tracing.start_step(request.parent_trace, request.method)
         return self.tracing.start(request.trace_context, request.method)
 
-    # --- ensembles' steps (service/models/ensemble.py `Steps`) --------------------------------------
+    # --- ensembles' steps (service/models/ensemble/model.py `Steps`) --------------------------------------
 
     def step_model(self, name: str, version: str) -> ServedVersion:
         return self.registry.get(name, version)

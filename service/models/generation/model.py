@@ -20,6 +20,7 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError
+from service.models.common import ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
@@ -27,7 +28,6 @@ from service.models.generation.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
-from service.models.kinds import ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads

@@ -28,8 +28,9 @@ from tokenizers import Encoding
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, TensorModel, check_inputs, check_outputs
+from service.models.common import ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
+from service.models.tensor.model import TensorModel
 from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings

@@ -28,7 +28,7 @@ import numpy as np
 
 from service.datatypes import MAX_ELEMENTS, InputLimits
 from service.errors import FailedPrecondition, Internal, InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
+from service.models.common import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.output_bounds import Declared, predicted, unbounded
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
