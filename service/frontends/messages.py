@@ -11,7 +11,7 @@ from google.protobuf import json_format
 
 from service import protocol
 from service.callers import Caller
-from service.models.catalog import BATCHING_SHOWN, ServedVersion
+from service.models.catalog import BATCHING_SHOWN, ServedVersion, ShowsParameters, TunesBatching, capability
 from service.models.response_cache import ResponseCache
 from service.serving.dataplane import ServerInfo
 from service.serving.registry import VersionState
@@ -70,7 +70,8 @@ def config_message(m: ServedVersion) -> Any:
     declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
     types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
     types["BYTES"] = int(protocol.DataType.TYPE_STRING)
-    b = m.batching()
+    tunes = capability(m, TunesBatching)
+    b = tunes.batching() if tunes is not None else None
     group = protocol.ModelInstanceGroup
     config = protocol.ModelConfig(
         name=m.name,
@@ -93,14 +94,17 @@ def config_message(m: ServedVersion) -> Any:
     config.instance_group.add(
         name=m.name, count=max(1, m.config.instances), kind=group.KIND_GPU if "CUDA" in m.provider else group.KIND_CPU
     )
-    if batched and b.enabled:
+    if batched and b is not None and b.enabled:
         config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
     config.parameters["provider"].string_value = m.provider
     config.parameters["kind"].string_value = m.kind
-    for key, value in m.config_parameters().items():  # what the kind adds (g2p: the version of its text rules)
-        config.parameters[key].string_value = value
-    sources = m.batching_sources()
-    if sources is not None:  # a kind that tunes its batching: what is in force, and where each value came from
+    if (shows := capability(m, ShowsParameters)) is not None:  # what the kind adds (the version of its rules...)
+        for key, value in shows.config_parameters().items():
+            config.parameters[key].string_value = value
+    sources = tunes.batching_sources() if tunes is not None else None
+    if (
+        b is not None and sources is not None
+    ):  # a kind that tunes its batching: what is in force, and where each value came from
         for key in BATCHING_SHOWN:
             config.parameters[f"batching.{key}"].string_value = f"{getattr(b, key):g}"
             if key in sources:

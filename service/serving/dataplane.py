@@ -34,7 +34,7 @@ from service.errors import (
     clip,
     quote,
 )
-from service.models.catalog import ServedVersion
+from service.models.catalog import CachesParts, ServedVersion, capability, input_limits
 from service.models.classification import classify
 from service.models.common import Result
 from service.models.response_cache import ResponseCache, deep_size
@@ -332,7 +332,7 @@ class DataPlane:
             params = dict(request.parameters.items()) if len(request.parameters) else {}
             infer = partial(model.infer, inputs, outputs, params, request.deadline, trace)
             cache = self.cache
-            if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
+            if cache is not None and model.config.response_cache and capability(model, CachesParts) is None:
                 k = _cache_key(model, inputs, outputs, params)
 
                 async def kept() -> Result:
@@ -492,5 +492,5 @@ def _read_inputs(tensors: Sequence[InferInput], model: ServedVersion) -> dict[st
             raise InvalidArgument(
                 f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
             )
-        inputs[name] = tensor.read(model.input_limits(name))
+        inputs[name] = tensor.read(input_limits(model, name))
     return inputs

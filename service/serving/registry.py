@@ -33,8 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from service.config import ServerSettings
-from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
-from service.models.catalog import BATCHING_SHOWN, Context, ServedVersion, Steps, build
+from service.errors import ConfigError, InvalidArgument, NotFound, ServingError, Unavailable, quote
+from service.models.catalog import (
+    BATCHING_SHOWN,
+    Context,
+    ServedVersion,
+    Steps,
+    TunesBatching,
+    build,
+    capability,
+    check,
+)
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
 from service.models.warmup_samples import warm_up_with_samples
@@ -111,6 +120,15 @@ class ServedModel:
 
 
 _VERSION_STRING = re.compile(r"\s*[+-]?[0-9]+")  # what C++'s std::stol, which Triton reads it with, accepts
+
+
+def _checked(directory: Path, raw: dict[str, Any] | None) -> list[ModelConfig]:
+    """The model's versions' configurations, each checked against its kind's schema (a ConfigError naming
+    the file and the key when one does not fit)."""
+    configs = load_model(directory, raw)
+    for config in configs:
+        check(config)
+    return configs
 
 
 def check_version_string(version: str) -> None:
@@ -296,8 +314,8 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
         seen = fingerprint(served.directory)
         try:
-            configs = await loop.run_in_executor(None, load_model, served.directory, raw)
-        except RepositoryError as e:
+            configs = await loop.run_in_executor(None, _checked, served.directory, raw)
+        except (RepositoryError, ConfigError) as e:
             served.states = {}
             served.reason = self.private(str(e))
             served.seen = seen  # the files are at fault: tried again once they change
@@ -429,8 +447,9 @@ class ModelRegistry:
     def _activate(self, m: Model) -> None:
         """On the event loop: the model's batcher starts, and the metrics show it."""
         self.metrics.model_info.labels(m.name, m.version, m.provider).set(1)
-        if m.batching_sources() is not None:  # a kind that tunes its batching shows what it chose
-            batching = m.batching()
+        tunes = capability(m, TunesBatching)
+        if tunes is not None and tunes.batching_sources() is not None:  # a kind that tunes it shows what it chose
+            batching = tunes.batching()
             for key in BATCHING_SHOWN:
                 self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(batching, key)))
         m.start(self.tracing, partial(self.version_failed, m))

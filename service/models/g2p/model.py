@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -83,6 +83,11 @@ def _control_character(text: str) -> str | None:
     return next((c for c in text if unicodedata.category(c) == "Cc" and not c.isspace()), None)
 
 
+def _text(element: object) -> str:
+    """A BYTES element as text (bytes that are not UTF-8 replaced)."""
+    return element.decode(errors="replace") if isinstance(element, bytes) else str(element)
+
+
 def _kept(h: Hypothesis) -> Hypothesis:
     """A word's answer as the cache keeps it: no caller's handle, and attention rows of their own (a beam's
     rows are views of the whole beam's history, which a kept row would hold)."""
@@ -97,7 +102,6 @@ _DROPPED = "symbol {} is not read: dropped, with no separator in PHONEMES"
 
 class G2PModel:
     kind = "g2p"
-    caches_words = True  # the response cache keeps each word's answer, not whole requests
     platform = "qkv_g2p"
     compute_span = "qkv.decode"
     inputs: ClassVar[list[TensorSpec]] = [TensorSpec("TEXT", "BYTES", (-1,), ("batch",))]
@@ -186,6 +190,30 @@ class G2PModel:
 
     def max_text_words(self) -> int:
         return self.max_words
+
+    def text_io(self, detailed: bool) -> tuple[str, tuple[str, ...]]:
+        """generate's request: TEXT in, PHONEMES out, and each word's WORDS, REASONS and SOURCES if `detailed`."""
+        return "TEXT", ("PHONEMES", "WORDS", "REASONS", "SOURCES") if detailed else ("PHONEMES",)
+
+    def text_answer(self, outputs: Mapping[str, np.ndarray]) -> tuple[str, list[dict[str, str]] | None]:
+        """generate's answer: the phonemes of the text, and each word as read ("$5": five, dollars), its
+        phonemes, where they came from and why it has none, when the outputs hold them."""
+        phonemes = _text(outputs["PHONEMES"].reshape(-1)[0])
+        if "WORDS" not in outputs:
+            return phonemes, None
+        read, why, source = ([_text(x) for x in outputs[n]] for n in ("WORDS", "REASONS", "SOURCES"))
+        said = iter(phonemes.split(" | ") if read else [])
+        words = [  # a word the rules drop (source "rule": an emoji) has no place in the phonemes
+            {"word": w, "phonemes": "" if s == SOURCE_RULE else next(said, "")}
+            | ({"source": s} if s else {})
+            | ({"reason": r} if r else {})
+            for w, r, s in zip(read, why, source, strict=True)
+        ]
+        return phonemes, words
+
+    def caches_parts(self) -> bool:
+        """The response cache keeps each word's answer, not whole requests."""
+        return True
 
     def config_parameters(self) -> dict[str, str]:
         lexicon = self.lexicon

@@ -20,6 +20,7 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError
+from service.models.catalog import Context, Kind, ServedVersion
 from service.models.common import ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
@@ -33,14 +34,13 @@ from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import Admission
-from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 from service.seq2seq.graphs import session_options
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["CACHE_BUDGET", "STEP_TOKENS", "GenerationModel", "build_generation_model"]
+__all__ = ["CACHE_BUDGET", "KIND", "STEP_TOKENS", "GenerationModel", "build_generation_model"]
 
 log = logging.getLogger("qkv.models")
 
@@ -130,12 +130,6 @@ class GenerationModel:
     def max_batch_size(self) -> int:
         return 0
 
-    def batching(self) -> BatchingConfig:
-        return self.config.batching
-
-    def batching_sources(self) -> None:
-        return None
-
     def input_limits(self, name: str) -> InputLimits:
         return InputLimits(1, MAX_TEXT_BYTES, f"model '{self.name}' takes one text a request")
 
@@ -148,12 +142,6 @@ class GenerationModel:
             "step_tokens": str(self.engine.step_tokens),
             "cache_bytes": str(self.engine.cache_budget),
         }
-
-    def text_words(self, text: str) -> None:
-        return None
-
-    def max_text_words(self) -> int:
-        return 0
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
@@ -272,3 +260,10 @@ def build_generation_model(
 ) -> GenerationModel:
     """A version of the generation kind, sessions built, not yet warm, its decoding thread run as `compute` says."""
     return GenerationModel(config, providers, observer, compute)
+
+
+def _build(config: ModelConfig, context: Context) -> ServedVersion:
+    return build_generation_model(config, context.providers, context.observer, context.compute)
+
+
+KIND = Kind(_build, limits=("cache_bytes",))  # the key/value cache the running sequences may reserve

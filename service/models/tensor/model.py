@@ -313,12 +313,6 @@ class TensorModel:
         """Where each tuned setting came from (config.json, or what warm-up measured)."""
         return dict(self.tuning.reasons) if self.tuning is not None else {}
 
-    def text_words(self, text: str) -> None:
-        return None  # a tensor model takes no text
-
-    def max_text_words(self) -> int:
-        return 0
-
     def config_parameters(self) -> dict[str, str]:
         """What a client needs to make requests the model takes: its sequence axis, longest sequence and
         each token input's vocabulary (`qkv bench --model` reads them), where config.json declares them; and,

@@ -201,11 +201,8 @@ class TextModel:
             shown |= {"pooling": s.pooling, "normalize": str(s.normalize).lower(), "dimensions": str(self.dim)}
         return shown
 
-    def text_words(self, text: str) -> None:
-        return None  # the generate extension is g2p's
-
-    def max_text_words(self) -> int:
-        return 0
+    def text_task(self) -> str:
+        return self.settings.task
 
     def tokenize(self, texts: list[str], special: bool = True) -> list[list[dict[str, Any]]]:
         """Each text's tokens as TEI's /tokenize shows them: id, text, whether special, character span."""
