@@ -281,7 +281,9 @@ async def _serve(settings: ServerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.registry.served())
+    models = ", ".join(
+        f"{m.name} v{m.version} ({m.metadata.kind}, {m.metadata.provider})" for m in server.registry.served()
+    )
     failed = server.registry.unavailable()
     if failed:  # --no-exit-on-error: the start went on without them (the log and the index say why)
         models += f"; UNAVAILABLE: {', '.join(failed)}"

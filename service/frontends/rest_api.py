@@ -554,8 +554,8 @@ class RestServer:
         text = capability(served, TakesText)
         if text is None:
             raise InvalidArgument(
-                f"model {quote(model)} takes no text (its kind: {served.kind}): generate is for a model that reads "
-                "or generates text"
+                f"model {quote(model)} takes no text (its kind: {served.metadata.kind}): generate is for a model "
+                "that reads or generates text"
             )
         return text
 

@@ -146,7 +146,9 @@ class TextApi:
         model = self.plane.model(name)  # NotFound when it serves none of that name
         text = capability(model, Tokenizes)
         if text is None or text.text_task() != task:
-            raise InvalidArgument(f"field 'model': {quote(name)} is not a {task} model (its kind: {model.kind})")
+            raise InvalidArgument(
+                f"field 'model': {quote(name)} is not a {task} model (its kind: {model.metadata.kind})"
+            )
         return str(name)
 
     async def _infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],

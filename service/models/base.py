@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from service.datatypes import datatype_of
-from service.errors import Internal, InvalidArgument, ServingError, quote
+from service.errors import Internal, InvalidArgument, quote
 from service.models.catalog import Context
-from service.models.common import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
+from service.models.common import Metadata, ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.runtime import TensorSpec
 from service.repository.layout import ModelConfig, RepositoryError
-from service.scheduling.admission import Admission
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
-    from service.observability.tracing import RequestTrace, Tracing
+    from service.observability.tracing import RequestTrace
 
 __all__ = ["PythonModel", "declared_spec"]
 
@@ -61,11 +60,17 @@ class PythonModel:
         self.max_batch_size = (given or BatchingConfig().max_batch_size) if batched else 0
         self.stats = ModelStats()
         self.in_flight = InFlight()
-        self.admission = Admission(self.name, BatchingConfig(), 1)  # nothing queued here: nothing refused early
 
     def compute(self, inputs: Tensors) -> Tensors:
         """The outputs of one request's (checked) inputs, by name: every declared output."""
         raise NotImplementedError(f"{type(self).__name__}.compute")
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
 
     async def infer(
         self,
@@ -98,15 +103,3 @@ class PythonModel:
                 )
             out[name] = array
         return Result(out, 0, 0, 0)
-
-    def warm_up(self) -> None:
-        return None
-
-    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    def release(self) -> None:
-        return None

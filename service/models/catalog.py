@@ -25,14 +25,12 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import ConfigError, ServingError
-from service.models.common import ModelStats, Result
+from service.models.common import Metadata, ModelStats, Result
 from service.models.response_cache import ResponseCache
-from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.ensemble_config import EnsembleStep
-from service.repository.layout import ModelConfig
-from service.scheduling.admission import Admission
+from service.repository.layout import ModelConfig, load_model
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
@@ -43,11 +41,14 @@ __all__ = [
     "BATCHING_SHOWN",
     "BUILT_IN",
     "ENTRY_POINTS",
+    "AdmitsEarly",
     "CachesParts",
     "Context",
     "Kind",
     "KindFactory",
+    "Lifecycle",
     "LimitsInputs",
+    "Metadata",
     "ServedVersion",
     "ShowsParameters",
     "StepModel",
@@ -60,6 +61,8 @@ __all__ = [
     "check",
     "find_kind",
     "input_limits",
+    "lifecycle",
+    "load_checked",
 ]
 
 # The batching settings a kind that tunes them shows (ModelConfig parameters, qkv_batching_setting).
@@ -84,11 +87,7 @@ class StepModel(Protocol):
     @property
     def name(self) -> str: ...
     @property
-    def inputs(self) -> list[TensorSpec]: ...
-    @property
-    def outputs(self) -> list[TensorSpec]: ...
-    @property
-    def max_batch_size(self) -> int: ...
+    def metadata(self) -> Metadata: ...
 
 
 class Steps(Protocol):
@@ -114,42 +113,21 @@ class Steps(Protocol):
 
 
 class ServedVersion(Protocol):
-    """One loaded version of a model, whatever its kind: numpy arrays in, numpy arrays out."""
+    """The core of one loaded version of a model, whatever its kind: numpy arrays in, numpy arrays out. What
+    only some kinds do is a capability below, found with `capability(model, Cap)`."""
 
     in_flight: InFlight  # leases of requests between their lookup and their answer (the data plane's)
 
-    @property
-    def kind(self) -> str: ...  # config.json's kind, shown in ModelConfig and the start-up line
-    @property
-    def platform(self) -> str: ...  # ModelMetadata's platform, before ':PROVIDER'
-    @property
-    def compute_span(self) -> str: ...  # the name of a traced request's compute span
     @property
     def name(self) -> str: ...
     @property
     def version(self) -> str: ...
     @property
-    def provider(self) -> str: ...
-    @property
     def config(self) -> ModelConfig: ...
     @property
-    def inputs(self) -> list[TensorSpec]: ...
-    @property
-    def outputs(self) -> list[TensorSpec]: ...
-    @property
-    def max_batch_size(self) -> int: ...  # 0: no batch axis
+    def metadata(self) -> Metadata: ...  # kind, platform, provider, max_batch_size, inputs and outputs
     @property
     def stats(self) -> ModelStats: ...
-    @property
-    def admission(self) -> Admission: ...  # refuses early, before a request's tensors are decoded
-
-    def warm_up(self) -> None: ...
-    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
-        """Its scheduler begins; `on_failure` hears if the scheduler dies."""
-        ...
-
-    async def close(self) -> None: ...
-    def release(self) -> None: ...
 
     async def infer(
         self,
@@ -188,6 +166,29 @@ class Kind:
 
 
 # Capabilities: what some kinds do beyond the core, each asked for by `capability(model, Cap)`.
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """A kind with sessions or a scheduler: warmed at load, started once served, closed and released."""
+
+    def warm_up(self) -> None: ...
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        """Its scheduler begins; `on_failure` hears if the scheduler dies."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class AdmitsEarly(Protocol):
+    """A kind that queues requests: it refuses one early, before its tensors are decoded, when its queue
+    cannot take it by its `deadline` (a ServingError saying why)."""
+
+    def admit_early(self, deadline: float | None) -> None: ...
 
 
 @runtime_checkable
@@ -275,6 +276,30 @@ def capability(model: object, cap: Callable[..., Cap]) -> Cap | None:
     return cast("Cap", model) if _offers(cast("Any", type(model)), cast("type", cap)) else None
 
 
+class _Still:
+    """The lifecycle of a kind without one: nothing to warm, start, close or release."""
+
+    def warm_up(self) -> None:
+        return None
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+_STILL = _Still()
+
+
+def lifecycle(model: object) -> Lifecycle:
+    """`model`'s warm-up, start, close and release: its kind's, or nothing to do."""
+    return capability(model, Lifecycle) or _STILL
+
+
 def input_limits(model: object, name: str) -> InputLimits:
     """What input `name` of `model` may hold: its kind's limits, or the limit of any tensor."""
     limited = capability(model, LimitsInputs)
@@ -333,6 +358,14 @@ def check(config: ModelConfig) -> Kind:
             "text", f"{file}: text is a section of the text kind's config, not of a {config.kind} model", file
         )
     return kind
+
+
+def load_checked(directory: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
+    """The configurations of the model in `directory` (layout.load_model), each checked against its kind."""
+    configs = load_model(directory, raw)
+    for config in configs:
+        check(config)
+    return configs
 
 
 def build(config: ModelConfig, context: Context) -> ServedVersion:

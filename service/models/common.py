@@ -21,11 +21,24 @@ from service.scheduling.admission import WorkItem
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     pass
 
-__all__ = ["ModelStats", "Result", "check_inputs", "check_outputs", "checked_feeds", "has_batch_axis"]
+__all__ = ["Metadata", "ModelStats", "Result", "check_inputs", "check_outputs", "checked_feeds", "has_batch_axis"]
 
 log = logging.getLogger("qkv.models")
 
 MAX_REQUEST_ELEMENTS = 1 << 24  # elements of one input tensor, before any per-model limit
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """What a version is, as ModelMetadata and ModelConfig show it: fixed once it is loaded."""
+
+    kind: str  # config.json's kind, shown in ModelConfig and the start-up line
+    platform: str  # ModelMetadata's platform, before ':PROVIDER'
+    provider: str  # the onnxruntime execution provider its sessions run on (or what runs it)
+    max_batch_size: int  # 0: no batch axis
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    compute_span: str = "qkv.compute"  # the name of a traced request's compute span
 
 
 @dataclass

@@ -42,7 +42,8 @@ from service.models.catalog import (
     TunesBatching,
     build,
     capability,
-    check,
+    lifecycle,
+    load_checked,
 )
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
@@ -55,7 +56,6 @@ from service.repository.layout import (
     config_fingerprint,
     dependencies,
     fingerprint,
-    load_model,
     model_directories,
 )
 from service.serving.memory import return_freed_memory
@@ -120,15 +120,6 @@ class ServedModel:
 
 
 _VERSION_STRING = re.compile(r"\s*[+-]?[0-9]+")  # what C++'s std::stol, which Triton reads it with, accepts
-
-
-def _checked(directory: Path, raw: dict[str, Any] | None) -> list[ModelConfig]:
-    """The model's versions' configurations, each checked against its kind's schema (a ConfigError naming
-    the file and the key when one does not fit)."""
-    configs = load_model(directory, raw)
-    for config in configs:
-        check(config)
-    return configs
 
 
 def check_version_string(version: str) -> None:
@@ -314,7 +305,7 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
         seen = fingerprint(served.directory)
         try:
-            configs = await loop.run_in_executor(None, _checked, served.directory, raw)
+            configs = await loop.run_in_executor(None, load_checked, served.directory, raw)
         except (RepositoryError, ConfigError) as e:
             served.states = {}
             served.reason = self.private(str(e))
@@ -340,7 +331,7 @@ class ModelRegistry:
                 built.append(await loop.run_in_executor(None, self._build, c))
             except Exception as e:
                 for m in built:
-                    m.release()
+                    lifecycle(m).release()
                 served.seen = seen
                 self._failed(served, name, c.version, e)
             log.info("model '%s' version %s built in %.2f s", name, c.version, time.perf_counter() - started)
@@ -423,7 +414,7 @@ class ModelRegistry:
         self._closing = True
         if self._poller is not None:
             self._poller.cancel()
-        closing = [asyncio.create_task(m.close()) for m in self.served()]
+        closing = [asyncio.create_task(lifecycle(m).close()) for m in self.served()]
         waiting = {*self._changes, *closing}
         if waiting:
             _, late = await asyncio.wait(waiting, timeout=grace)
@@ -437,29 +428,29 @@ class ModelRegistry:
         observer = self.metrics.observer(config.name, config.version)
         model = build(config, Context(self.providers, observer, self.cache, self.steps, self.compute))
         try:
-            model.warm_up()
+            lifecycle(model).warm_up()
             warm_up_with_samples(model, config.warmup, config.directory.parent)  # a Triton config's model_warmup
         except BaseException:
-            model.release()
+            lifecycle(model).release()
             raise
         return model
 
     def _activate(self, m: Model) -> None:
         """On the event loop: the model's batcher starts, and the metrics show it."""
-        self.metrics.model_info.labels(m.name, m.version, m.provider).set(1)
+        self.metrics.model_info.labels(m.name, m.version, m.metadata.provider).set(1)
         tunes = capability(m, TunesBatching)
         if tunes is not None and tunes.batching_sources() is not None:  # a kind that tunes it shows what it chose
             batching = tunes.batching()
             for key in BATCHING_SHOWN:
                 self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(batching, key)))
-        m.start(self.tracing, partial(self.version_failed, m))
+        lifecycle(m).start(self.tracing, partial(self.version_failed, m))
 
     async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:
         """Let versions that no longer take requests finish theirs, then free them and their series."""
         for m in leaving:
             await m.in_flight.idle()  # every request that reached it answered (and counted in the metrics)
-            await m.close()
-            m.release()
+            await lifecycle(m).close()
+            lifecycle(m).release()
             served.states.pop(m.version, None)
             if self.cache is not None:  # a version reloaded in place may answer otherwise
                 self.cache.drop(m.name, m.version)

@@ -22,6 +22,7 @@ import asyncio
 import copy
 import time
 from collections.abc import Callable
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from service.datatypes import MAX_ELEMENTS
 from service.errors import FailedPrecondition, Internal, InvalidArgument, ServingError, quote
 from service.models.base import declared_spec
 from service.models.catalog import StepModel, Steps
-from service.models.common import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
+from service.models.common import Metadata, ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.output_bounds import Declared, predicted, unbounded
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
@@ -67,7 +68,7 @@ def _declared(model: StepModel) -> Declared:
     declares (an ensemble's outputs are each within MAX_ELEMENTS: its own steps are checked)."""
     axis_limits = getattr(model, "axis_limits", None)  # a kind that bounds its own axes (g2p's words)
     most = getattr(model, "max_output_elements", None)  # a kind that bounds its outputs whole (limits, an ensemble)
-    return Declared(tuple(model.inputs), model.max_batch_size > 0, axis_limits or {}, most)
+    return Declared(tuple(model.metadata.inputs), model.metadata.max_batch_size > 0, axis_limits or {}, most)
 
 
 def _renamed(error: ServingError, message: str) -> ServingError:
@@ -127,7 +128,7 @@ class EnsembleModel:
                 model = self._steps.step_model(step.model_name, step.model_version)
             except ServingError as e:
                 raise RepositoryError(f"{where}: {step.describe()}: {e.message}") from None
-            ins, outs = {s.name: s for s in model.inputs}, {s.name: s for s in model.outputs}
+            ins, outs = {s.name: s for s in model.metadata.inputs}, {s.name: s for s in model.metadata.outputs}
             for model_tensor, tensor in step.input_map:
                 if model_tensor not in ins:
                     raise RepositoryError(
@@ -152,13 +153,21 @@ class EnsembleModel:
                         "known before the step runs (set limits.max_output_elements in the model's config.json)"
                     )
                 written[tensor] = (outs[model_tensor], f"{step.describe()} output '{model_tensor}'")
-            if self.max_batch_size > model.max_batch_size:
+            if self.max_batch_size > model.metadata.max_batch_size:
                 raise RepositoryError(
                     f"{where}: {step.describe()}: the ensemble's max_batch_size {self.max_batch_size} exceeds its "
-                    f"model's {model.max_batch_size}" + (" (no batch axis)" if model.max_batch_size == 0 else "")
+                    f"model's {model.metadata.max_batch_size}"
+                    + (" (no batch axis)" if model.metadata.max_batch_size == 0 else "")
                 )
         for s in self.outputs:
             _agree(written[s.name], s, f"ensemble output '{s.name}'", s.name)
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
 
     async def infer(
         self,
@@ -242,7 +251,7 @@ class EnsembleModel:
         the limit of a tensor: refused before the model runs (and allocates it), not at the next step.
         Returns each output's elements at most, which its answer is held to."""
         model = self._steps.step_model(step.model_name, step.model_version)
-        declared, outs = _declared(model), {s.name: s for s in model.outputs}
+        declared, outs = _declared(model), {s.name: s for s in model.metadata.outputs}
         bounds = {}
         for name in asked:
             spec = outs.get(name)

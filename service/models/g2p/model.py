@@ -10,13 +10,14 @@ import time
 import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.common import ModelStats, Result, check_inputs, check_outputs
+from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.g2p.lexicon import Lexicon
 from service.models.g2p.runtime import G2PRuntime
 from service.models.g2p.text import RULES, SILENT_ASCII, SILENT_WIDE, VERSIONS, Known, is_symbol, spoken_words
@@ -393,6 +394,17 @@ class G2PModel:
         # Its words decode in continuous batches shared with others: no batch size of its own.
         self.stats.executed(len(sources), time.perf_counter_ns() - t0, by_size=False)
         return hyps
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
 
     async def infer(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ import numpy as np
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError
 from service.models.catalog import Context, Kind, ServedVersion
-from service.models.common import ModelStats, Result, check_inputs, check_outputs
+from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
@@ -204,6 +205,17 @@ class GenerationModel:
         finally:
             if not finished:
                 self.engine.cancel(sequence)
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
 
     async def infer(
         self,

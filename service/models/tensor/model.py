@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -19,6 +19,7 @@ import numpy as np
 from service.datatypes import InputLimits
 from service.errors import Internal, InvalidArgument, ServingError, quote
 from service.models.common import (
+    Metadata,
     ModelStats,
     Result,
     _as_strings,
@@ -436,6 +437,17 @@ class TensorModel:
                     f"input '{name}': value {bad:g} outside the range [{low:g}, {high:g}] of limits.value_range"
                 )
         return length
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
 
     async def infer(
         self,

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from tokenizers import Encoding
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.common import ModelStats, Result, check_inputs, check_outputs
+from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
 from service.models.tensor.model import TensorModel
 from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
@@ -239,6 +239,17 @@ class TextModel:
         return l2_normalized(pooled) if s.normalize else pooled
 
     # --- a request --------------------------------------------------------------------------------------
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
 
     async def infer(
         self,
