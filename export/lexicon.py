@@ -4,7 +4,7 @@
 `lexicon.txt.gz` into existing versions without retraining them, and records it in their model card:
 its sha256, how many words and pronunciations it holds, and the source and licence of its entries. The
 server answers the words it holds from it and sends only the others to the Transformer
-(service/models/lexicon.py).
+(service/models/g2p/lexicon.py).
 
 One line a pronunciation, `word<TAB>PHONEMES`, sorted by word; a word's variants in CMUdict's order
 (its first is the one served as the word's answer). Written with gzip's timestamp at 0, so the same
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import UsageError
-from service.models.lexicon import LEXICON_FILE
+from service.models.g2p.lexicon import LEXICON_FILE
 from service.repository.layout import model_cards
 
 __all__ = ["build_lines", "card_entry", "main", "write_into_version", "write_lexicon"]

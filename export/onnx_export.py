@@ -36,8 +36,8 @@ from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
 from service.errors import UsageError, in_range, readable_file
-from service.models.g2p_text import RULES as TEXT_RULES
-from service.models.lexicon import LEXICON_FILE
+from service.models.g2p.lexicon import LEXICON_FILE
+from service.models.g2p.text import RULES as TEXT_RULES
 from service.repository.layout import available_versions, model_cards
 from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
 from service.seq2seq.graphs import (

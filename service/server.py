@@ -28,7 +28,7 @@ from service.frontends import grpc_api, shared_memory
 from service.frontends.orca import LoadReports
 from service.frontends.security import BearerTokens, TokenAuth, bearer_tokens, server_credentials, ssl_context
 from service.frontends.shared_memory_grpc import SharedMemoryService
-from service.models.kinds import Result
+from service.models.common import Result
 from service.models.response_cache import ResponseCache
 from service.observability import logs
 from service.observability.metrics import CacheMetrics, Metrics
@@ -285,7 +285,9 @@ async def _serve(settings: ServerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    models = ", ".join(f"{m.name} v{m.version} ({m.kind}, {m.provider})" for m in server.registry.served())
+    models = ", ".join(
+        f"{m.name} v{m.version} ({m.metadata.kind}, {m.metadata.provider})" for m in server.registry.served()
+    )
     failed = server.registry.unavailable()
     if failed:  # --no-exit-on-error: the start went on without them (the log and the index say why)
         models += f"; UNAVAILABLE: {', '.join(failed)}"

@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -263,10 +264,11 @@ def _is_limits(node: ast.AST) -> bool:
 
 
 def limit_reads() -> dict[tuple[str, str], Any]:
-    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/kinds.py
-    and service/models/generation/model.py."""
+    """(key, kind) -> default of each `limits.get(KEY, DEFAULT)` in the model classes of service/models/tensor/model.py,
+    g2p/model.py and generation/model.py."""
     reads: dict[tuple[str, str], Any] = {}
-    trees = [ast.parse((ROOT / "service" / "models" / f).read_text()) for f in ("kinds.py", "generation/model.py")]
+    files = ("tensor/model.py", "g2p/model.py", "generation/model.py")
+    trees = [ast.parse((ROOT / "service" / "models" / f).read_text()) for f in files]
     for cls in (n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)):
         kind = next(
             (
@@ -296,7 +298,7 @@ def limit_reads() -> dict[tuple[str, str], Any]:
 def test_every_limit_is_documented_with_its_kind_and_default() -> None:
     reads = limit_reads()
     assert {kind for _, kind in reads} == {"tensor", "g2p", "generation"}, (
-        f"the scan of service/models/kinds.py and generation/model.py found {sorted(reads)}"
+        f"the scan of service/models/tensor/, g2p/ and generation/model.py found {sorted(reads)}"
     )
     rows = table(section(CONFIGURATION, "`limits`"), "key")
     docs = {(codes(row[0])[0], row[1]): row for row in rows}
@@ -626,6 +628,10 @@ RUN_HERE = {
         "test_the_incremental_decoding_example_answers_as_shown",
     ("sequences.md", "from service.tools.incremental import IncrementalG2P"):
         "test_the_incremental_decoding_example_answers_as_shown",
+    ("kinds.md", "import numpy as np"): "test_the_custom_kind_walk_serves_and_answers_as_shown",
+    ("kinds.md", "{"): "test_the_custom_kind_walk_serves_and_answers_as_shown",
+    ("kinds.md", "PYTHONPATH=. qkv serve --model-repository models &"):
+        "test_the_custom_kind_walk_serves_and_answers_as_shown",
 }  # fmt: skip
 
 
@@ -685,6 +691,35 @@ def test_the_console_tracing_example_prints_what_it_shows(tmp_path: Path) -> Non
         while f'"traceId": "{trace.group(1)}"' not in s.output() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert f'"traceId": "{trace.group(1)}"' in s.output()
+
+
+def test_the_custom_kind_walk_serves_and_answers_as_shown(tmp_path: Path) -> None:
+    """kinds.md's walk, exactly as written and in at most 60 lines: its module written where the server's
+    PYTHONPATH points, its config.json beside an empty version directory, the server it starts, and the
+    curl call answered as the block under it shows."""
+    walk = section(DOCS / "kinds.md", "A custom kind, complete")
+    assert len(walk.strip().splitlines()) <= 60, "the custom kind's walk is over 60 lines"
+    blocks = [(m.group(1), m.group(2)) for m in FENCE.finditer(walk)]
+    assert [language for language, _ in blocks] == ["python", "json", "bash", ""], blocks
+    (_, code), (_, config), (_, commands), (_, shown) = blocks
+    module = re.search(r"`(\w+)\.py`", walk)
+    assert module and f'"{module.group(1)}:' in config, "config.json names the module the walk writes"
+    (tmp_path / f"{module.group(1)}.py").write_text(code)
+    name = re.search(r"`models/(\w+)/config.json`", walk)
+    assert name, "the walk names its model's directory"
+    (tmp_path / "models" / name.group(1) / "1").mkdir(parents=True)
+    (tmp_path / "models" / name.group(1) / "config.json").write_text(config)
+    serve, curl = " ".join(commands.replace("\\\n", " ").split()).split(" & ")
+    assert serve == "PYTHONPATH=. qkv serve --model-repository models", serve
+    args = shlex.split(curl)
+    assert args[:2] == ["curl", "-s"] and args[3] == "-d", args
+    path = args[2].removeprefix("localhost:8000")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    with start_server(["--model-repository", str(tmp_path / "models")], tmp_path / "server.log", env) as s:
+        done = subprocess.run(["curl", "-s", f"{s.http_url}{path}", "-d", args[4]], capture_output=True, text=True,
+                              timeout=30, check=True)  # fmt: skip
+        assert json.loads(done.stdout) == json.loads(shown), done.stdout
+    assert "Traceback" not in s.output()
 
 
 def test_the_incremental_decoding_example_answers_as_shown(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ of service/ (import-linter's contracts in pyproject.toml)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,57 @@ def test_only_the_command_line_exits() -> None:
         if "SystemExit" in line
     ]
     assert not exits, exits
+
+
+# A kind's name or a built-in kind's tensor named outside the kinds' packages (service/models/): what the
+# server looks up instead is a capability (service/models/catalog.py). The files that still do, and why.
+KIND_NAMES = {"tensor", "g2p", "ensemble", "text", "generation"}
+KIND_TENSORS = {"TEXT", "PHONEMES", "WORDS", "REASONS", "SOURCES", "VARIANTS", "ATTENTION", "EMBEDDING", "SCORES",
+                "QUERY", "INPUT_IDS"}  # fmt: skip
+KIND_FREE = ("frontends", "serving", "scheduling", "repository", "observability", "server.py")
+NAMING_KINDS = {
+    "service/repository/layout.py": "the kind a config.json leaves out, from the folder's files",
+    "service/repository/triton_config.py": "Triton's platform 'ensemble' read as the ensemble kind",
+    "service/frontends/text_api.py": "the text kind's TEI and OpenAI endpoints: TEXT in, EMBEDDING or SCORES out",
+}
+
+
+def _is_kind(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        name = str(node.slice.value)
+    return "kind" in name.lower()
+
+
+def _kind_constants(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in KIND_NAMES}
+
+
+def names_of_kinds(source: str) -> set[str]:
+    """The kinds' names a module compares a kind with, gives one, or returns from a function of kinds, and
+    the built-in kinds' tensor names it holds (docstrings and comments aside)."""
+    tree = ast.parse(source)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in KIND_TENSORS:
+            found.add(node.value)
+        elif isinstance(node, ast.Compare) and any(_is_kind(n) for n in (node.left, *node.comparators)):
+            found |= _kind_constants(node)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if node.value is not None and any(_is_kind(t) for t in targets):
+                found |= _kind_constants(node.value)
+        elif isinstance(node, ast.keyword) and node.arg == "kind":
+            found |= _kind_constants(node.value)
+    return found
+
+
+def test_no_layer_above_or_below_the_kinds_names_one_but_those_that_say_why() -> None:
+    """Front ends, data plane, schedulers, repository and observability name no kind and no kind's tensor
+    (g2p, PHONEMES, WORDS...) outside NAMING_KINDS (target: none)."""
+    naming = {}
+    for area in KIND_FREE:
+        for path in [ROOT / "service" / area] if area.endswith(".py") else _modules(f"service/{area}"):
+            if found := names_of_kinds(path.read_text()):
+                naming[str(path.relative_to(ROOT))] = sorted(found)
+    assert set(naming) == set(NAMING_KINDS), naming

@@ -49,7 +49,9 @@ def generating_model(plane: DataPlane, name: str, version: str = "", field: str 
     naming `field` when it does not generate."""
     model = plane.model(name, version)
     if not isinstance(model, Generator):
-        raise InvalidArgument(f"field '{field}': {quote(name)} does not generate text (its kind: {model.kind})")
+        raise InvalidArgument(
+            f"field '{field}': {quote(name)} does not generate text (its kind: {model.metadata.kind})"
+        )
     return cast(GeneratingModel, model)
 
 

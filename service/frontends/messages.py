@@ -11,7 +11,7 @@ from google.protobuf import json_format
 
 from service import protocol
 from service.callers import Caller
-from service.models.catalog import BATCHING_SHOWN, ServedVersion
+from service.models.catalog import BATCHING_SHOWN, ServedVersion, ShowsParameters, TunesBatching, capability
 from service.models.response_cache import ResponseCache
 from service.serving.dataplane import ServerInfo
 from service.serving.registry import VersionState
@@ -30,9 +30,9 @@ def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) ->
     return protocol.ModelMetadataResponse(
         name=model.name,
         versions=[v.version for v in versions],
-        platform=f"{model.platform}:{model.provider}",
-        inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.inputs],
-        outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.outputs],
+        platform=f"{model.metadata.platform}:{model.metadata.provider}",
+        inputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.metadata.inputs],
+        outputs=[tensor(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in model.metadata.outputs],
     )
 
 
@@ -66,21 +66,22 @@ def config_message(m: ServedVersion) -> Any:
     """Triton's ModelConfig of a version: its tensors, instances and batching, and qkv's own parameters."""
     if m.config.triton is not None:
         return protocol.ModelConfigResponse(config=triton_config_message(m))
-    batched = m.max_batch_size > 0
+    batched = m.metadata.max_batch_size > 0
     declared = {d["name"]: d for d in (*m.config.inputs, *m.config.outputs)}
     types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
     types["BYTES"] = int(protocol.DataType.TYPE_STRING)
-    b = m.batching()
+    tunes = capability(m, TunesBatching)
+    b = tunes.batching() if tunes is not None else None
     group = protocol.ModelInstanceGroup
     config = protocol.ModelConfig(
         name=m.name,
-        platform=m.platform if m.config.ensemble is not None else "onnxruntime_onnx",
-        max_batch_size=m.max_batch_size,
-        input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.inputs],
-        output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.outputs],
+        platform=m.metadata.platform if m.config.ensemble is not None else "onnxruntime_onnx",
+        max_batch_size=m.metadata.max_batch_size,
+        input=[_model_input(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.metadata.inputs],
+        output=[_model_output(s, types[s.datatype], batched, declared.get(s.name, {})) for s in m.metadata.outputs],
     )
     if m.config.ensemble is not None:  # its steps; it has no instances or backend of its own
-        config.parameters["kind"].string_value = m.kind
+        config.parameters["kind"].string_value = m.metadata.kind
         for step in sorted(m.config.ensemble.steps, key=lambda s: s.position):  # as config.json lists them
             config.ensemble_scheduling.step.add(
                 model_name=step.model_name,
@@ -91,16 +92,21 @@ def config_message(m: ServedVersion) -> Any:
         return protocol.ModelConfigResponse(config=config)
     config.backend = "onnxruntime"
     config.instance_group.add(
-        name=m.name, count=max(1, m.config.instances), kind=group.KIND_GPU if "CUDA" in m.provider else group.KIND_CPU
+        name=m.name,
+        count=max(1, m.config.instances),
+        kind=group.KIND_GPU if "CUDA" in m.metadata.provider else group.KIND_CPU,
     )
-    if batched and b.enabled:
+    if batched and b is not None and b.enabled:
         config.dynamic_batching.max_queue_delay_microseconds = int(b.max_queue_delay_ms * 1000)
-    config.parameters["provider"].string_value = m.provider
-    config.parameters["kind"].string_value = m.kind
-    for key, value in m.config_parameters().items():  # what the kind adds (g2p: the version of its text rules)
-        config.parameters[key].string_value = value
-    sources = m.batching_sources()
-    if sources is not None:  # a kind that tunes its batching: what is in force, and where each value came from
+    config.parameters["provider"].string_value = m.metadata.provider
+    config.parameters["kind"].string_value = m.metadata.kind
+    if (shows := capability(m, ShowsParameters)) is not None:  # what the kind adds (the version of its rules...)
+        for key, value in shows.config_parameters().items():
+            config.parameters[key].string_value = value
+    sources = tunes.batching_sources() if tunes is not None else None
+    if (
+        b is not None and sources is not None
+    ):  # a kind that tunes its batching: what is in force, and where each value came from
         for key in BATCHING_SHOWN:
             config.parameters[f"batching.{key}"].string_value = f"{getattr(b, key):g}"
             if key in sources:
@@ -115,9 +121,9 @@ def triton_config_message(m: ServedVersion) -> Any:
     config = protocol.ModelConfig()
     json_format.ParseDict(m.config.triton or {}, config)
     config.name = m.name
-    batched = m.max_batch_size > 0
+    batched = m.metadata.max_batch_size > 0
     if "max_batch_size" not in (m.config.triton or {}):
-        config.max_batch_size = m.max_batch_size
+        config.max_batch_size = m.metadata.max_batch_size
     if m.config.ensemble is not None:
         config.platform = "ensemble"
         return config
@@ -130,11 +136,15 @@ def triton_config_message(m: ServedVersion) -> Any:
     types = {d.name.removeprefix("TYPE_"): int(d) for d in protocol.DataType}
     types["BYTES"] = int(protocol.DataType.TYPE_STRING)
     if not config.input:
-        config.input.extend(_model_input(s, types[s.datatype], batched, {}) for s in m.inputs)
+        config.input.extend(_model_input(s, types[s.datatype], batched, {}) for s in m.metadata.inputs)
     if not config.output:
-        config.output.extend(_model_output(s, types[s.datatype], batched, {}) for s in m.outputs)
+        config.output.extend(_model_output(s, types[s.datatype], batched, {}) for s in m.metadata.outputs)
     if not config.instance_group:
-        kind = protocol.ModelInstanceGroup.KIND_GPU if "CUDA" in m.provider else protocol.ModelInstanceGroup.KIND_CPU
+        kind = (
+            protocol.ModelInstanceGroup.KIND_GPU
+            if "CUDA" in m.metadata.provider
+            else protocol.ModelInstanceGroup.KIND_CPU
+        )
         config.instance_group.add(name=m.name, count=max(1, m.config.instances), kind=kind)
     return config
 

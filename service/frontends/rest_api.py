@@ -47,7 +47,6 @@ from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
     message_json,
-    output_text,
     parameters,
     parse_infer,
     parse_json,
@@ -57,6 +56,7 @@ from service.frontends.statuses import HTTP_STATUS, http_status
 from service.frontends.text_api import TextApi
 from service.frontends.triton_generate import TritonGenerate
 from service.frontends.triton_generation import generates
+from service.models.catalog import TakesText, capability
 from service.observability.metrics import UNKNOWN_MODEL, Metrics
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
@@ -146,11 +146,12 @@ class _TextInput:
     caller: Caller | None = None  # whose token sent it (--isolate-tokens)
 
     def request(
-        self, model: str, version: str, text: str, method: str, carrier: Any, outputs: tuple[str, ...] = ()
+        self, model: str, version: str, text: str, method: str, carrier: Any, io: tuple[str, tuple[str, ...]]
     ) -> InferRequest:
-        """What generate sends the model: TEXT [1], as a gRPC client of g2p would (`outputs`: those asked for;
-        none, the model's default)."""
-        tensor = InferInput("TEXT", "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
+        """What generate sends the model: its text input [1], as a gRPC client would, and the outputs its kind
+        asks for (`io`: the model's TakesText.text_io)."""
+        name, outputs = io
+        tensor = InferInput(name, "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
         asked = tuple(RequestedOutput(name) for name in outputs)
         return InferRequest(
             model, version, self.id, [tensor], asked, self.parameters, None, carrier, method, caller=self.caller
@@ -534,38 +535,29 @@ class RestServer:
             return await self._triton_generate.generate(parse_json(await self._body(request)), model, version)
         body = await self._text_input(request)
         method = "POST /v2/models/{model}/generate"
-        outputs = self._word_outputs(model, version)
+        text = self._text_model(model, version)
         outcome = await self.plane.infer(
-            body.request(model, version, body.text, method, self._carrier(request), outputs)
+            body.request(model, version, body.text, method, self._carrier(request), text.text_io(True))
         )
         if isinstance(outcome, ServingError):
             return _failed(outcome)
-        phonemes = output_text(outcome, "PHONEMES")
-        doc = self._generated(outcome, phonemes)
-        if outputs:  # each word as the model read it ("$5": five, dollars), its phonemes, where they came
-            # from, and why it has none
-            read, why, source = (
-                [bytes(x).decode(errors="replace") for x in outcome.outputs[name]] for name in outputs[1:]
-            )
-            said = iter(phonemes.split(" | ") if read else [])
-            # A word the rules drop (source "rule": an emoji) has no place in text_output.
-            doc["words"] = [
-                {"word": w, "phonemes": "" if s == "rule" else next(said, "")}
-                | ({"source": s} if s else {})
-                | ({"reason": r} if r else {})
-                for w, r, s in zip(read, why, source, strict=True)
-            ]
+        said, words = text.text_answer(outcome.outputs)
+        doc = self._generated(outcome, said)
+        if words is not None:  # each word as the model read it ("$5": five, dollars), its answer, where it came
+            doc["words"] = words  # from, and why it has none
         return _json(doc)
 
-    def _word_outputs(self, model: str, version: str) -> tuple[str, ...]:
-        """The outputs generate asks for: PHONEMES, WORDS, REASONS and SOURCES from a model that has them
-        (g2p); none (the model's default) otherwise, or when the model is not served (its request says why)."""
-        try:
-            names = {s.name for s in self.plane.model(model, version).outputs}
-        except ServingError:
-            return ()
-        wanted = ("PHONEMES", "WORDS", "REASONS", "SOURCES")
-        return wanted if set(wanted) <= names else ()
+    def _text_model(self, model: str, version: str) -> TakesText:
+        """The model generate reads text with; NotFound (or Unavailable) when it is not served, InvalidArgument
+        when its kind takes no text."""
+        served = self.plane.model(model, version)
+        text = capability(served, TakesText)
+        if text is None:
+            raise InvalidArgument(
+                f"model {quote(model)} takes no text (its kind: {served.metadata.kind}): generate is for a model "
+                "that reads or generates text"
+            )
+        return text
 
     @staticmethod
     def _generated(outcome: InferResponse, text_output: str) -> dict[str, Any]:
@@ -575,19 +567,11 @@ class RestServer:
         doc["text_output"] = text_output
         return doc
 
-    def _text_words(self, model: str, version: str, text: str) -> list[tuple[str, str]] | None:
-        """Each token of `text` that holds a word, with the word, as the model reads them; None when the
-        model is not served (its request says why) or takes no text."""
-        try:
-            return self.plane.model(model, version).text_words(text)
-        except ServingError:
-            return None
-
-    def _stream_words(self, model: str, version: str, text: str) -> list[tuple[str, str]]:
-        """generate_stream's requests: each token of `text` that holds a word (and the word); the whole text
-        as one when there is none (or the model is unknown or takes no text): its answer says why."""
-        words = self._text_words(model, version, text) or [(text, text)]
-        if len(words) > 1 and len(words) > (limit := self.plane.model(model, version).max_text_words()):
+    def _stream_words(self, text: TakesText, said: str) -> list[tuple[str, str]]:
+        """generate_stream's requests: each token of `said` that holds a word (and the word); the whole text
+        as one when there is none: its answer says why."""
+        words = text.text_words(said) or [(said, said)]
+        if len(words) > 1 and len(words) > (limit := text.max_text_words()):
             raise InvalidArgument(f"text_input has {len(words)} words, the limit is {limit} (the model's max_words)")
         return words
 
@@ -601,10 +585,12 @@ class RestServer:
             doc = parse_json(await self._body(request))
             return await self._triton_generate.generate_stream(request, doc, model, version)
         body = await self._text_input(request)
-        words = self._stream_words(model, version, body.text)
+        text = self._text_model(model, version)
+        words = self._stream_words(text, body.text)
         method = "POST /v2/models/{model}/generate_stream"
+        io = text.text_io(False)
         tasks = [
-            asyncio.create_task(self.plane.infer(body.request(model, version, token, method, None)))
+            asyncio.create_task(self.plane.infer(body.request(model, version, token, method, None, io)))
             for token, _ in words
         ]
         try:
@@ -614,7 +600,7 @@ class RestServer:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
-                await self._events(response, tasks, first, [w for _, w in words])
+                await self._events(response, text, tasks, first, [w for _, w in words])
             except ConnectionError:  # the client left mid-stream: its 200 is answered, the rest unread
                 return response
             except Exception:  # the status is sent: the fault ends the stream, logged, as an error event
@@ -630,6 +616,7 @@ class RestServer:
     async def _events(
         self,
         response: web.StreamResponse,
+        text: TakesText,
         tasks: list[asyncio.Task[InferResponse | ServingError]],
         first: InferResponse,
         words: list[str],
@@ -641,9 +628,9 @@ class RestServer:
             if isinstance(outcome, ServingError):
                 await response.write(_event("error", {"error": outcome.message}))
                 return
-            phonemes = output_text(outcome, "PHONEMES")
-            said.append(phonemes)
-            event = self._generated(outcome, phonemes) | {"index": index, "word": words[index]}
+            answer, _ = text.text_answer(outcome.outputs)
+            said.append(answer)
+            event = self._generated(outcome, answer) | {"index": index, "word": words[index]}
             await response.write(_event("", event))
         final = self._generated(first, " | ".join(said)) | {"final": True}
         await response.write(_event("", final))

@@ -27,6 +27,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.frontends.generation import generating_models
 from service.frontends.rest_codec import parse_json
 from service.frontends.statuses import http_status
+from service.models.catalog import Tokenizes, capability, input_limits
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, Parameter, RequestedOutput
 
@@ -128,7 +129,8 @@ class TextApi:
         """The names of the served text models (of `task`), each once."""
         names = []
         for m in self.plane.registry.served():
-            if m.kind == "text" and (not task or m.config_parameters().get("task") == task) and m.name not in names:
+            text = capability(m, Tokenizes)
+            if text is not None and (not task or text.text_task() == task) and m.name not in names:
                 names.append(m.name)
         return names
 
@@ -142,8 +144,11 @@ class TextApi:
                 )
             return str(served[0])
         model = self.plane.model(name)  # NotFound when it serves none of that name
-        if model.kind != "text" or model.config_parameters().get("task") != task:
-            raise InvalidArgument(f"field 'model': {quote(name)} is not a {task} model (its kind: {model.kind})")
+        text = capability(model, Tokenizes)
+        if text is None or text.text_task() != task:
+            raise InvalidArgument(
+                f"field 'model': {quote(name)} is not a {task} model (its kind: {model.metadata.kind})"
+            )
         return str(name)
 
     async def _infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
@@ -280,15 +285,15 @@ class TextApi:
         if name is None and len(served) != 1:
             raise InvalidArgument(f"field 'model' is required: the server serves {len(served)} text models")
         m = self.plane.model(name or served[0])
-        tokenize = getattr(m, "tokenize", None)  # a capability of the text kind
-        if tokenize is None:
+        text = capability(m, Tokenizes)
+        if text is None:
             raise InvalidArgument(f"field 'model': {quote(m.name)} is not a text model")
         texts = _texts(doc.get("inputs"), "inputs")
         special = _field(doc, "add_special_tokens", bool, True)
-        limit = m.input_limits("TEXT")
+        limit = input_limits(m, "TEXT")
         if len(texts) > limit.elements or any(len(t.encode()) > (limit.element_bytes or 1 << 30) for t in texts):
             raise InvalidArgument(f"field 'inputs': over the model's limits ({limit.why})")
-        tokens = await asyncio.to_thread(tokenize, texts, special)
+        tokens = await asyncio.to_thread(text.tokenize, texts, special)
         return _json(tokens)
 
 

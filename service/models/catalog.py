@@ -1,107 +1,133 @@
-"""What a served model version is to the rest of the server, and the table of kinds that build one.
+"""What a served model version is to the rest of the server, the capabilities a kind may add, and the kinds.
 
-`ServedVersion` is all the registry, the data plane, the front ends and the metrics may ask of a model
-version; nothing above this package names a kind. `KINDS` maps config.json's `kind` to the factory that
-builds a version of it (sessions loaded at compute priority): a new kind is one module and one entry here.
+`ServedVersion` is the core every version answers: its identity, configuration, the tensors it declares,
+its statistics and admission, and one `infer`, with its start and stop. What only some kinds do is a
+capability, a Protocol of its own (`TakesText`, `TunesBatching`, ...): the server asks `capability(model,
+Cap)`, never a kind's name or a model's tensors.
+
+A kind is a `Kind` (its factory, its `limits` keys, the config.json sections it reads), found by
+config.json's `kind`: a built-in name (`BUILT_IN`, each the kind's own package), a name registered in the
+Python entry point group `qkv.kinds`, or an import path `module:attribute` naming a `Kind` or a class
+built as `cls(config, context)` (service/models/base.py gives such a class its defaults; docs/kinds.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
 from service.datatypes import InputLimits
-from service.errors import ServingError
-from service.models.ensemble import EnsembleModel, Steps
-from service.models.generation.model import build_generation_model
-from service.models.kinds import G2PModel, ModelStats, Result, TensorModel
+from service.errors import ConfigError, ServingError
+from service.models.common import Metadata, ModelStats, Result
 from service.models.response_cache import ResponseCache
-from service.models.runtime import G2PRuntime, TensorRuntime, TensorSpec
-from service.models.stateful import StatefulTensorModel
-from service.models.text import build_text_model
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
-from service.repository.layout import ModelConfig
-from service.scheduling.admission import Admission
+from service.repository.ensemble_config import EnsembleStep
+from service.repository.layout import ModelConfig, load_model
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["BATCHING_SHOWN", "KINDS", "Context", "KindFactory", "ServedVersion", "Steps", "build"]
+__all__ = [
+    "BATCHING_SHOWN",
+    "BUILT_IN",
+    "ENTRY_POINTS",
+    "AdmitsEarly",
+    "CachesParts",
+    "Context",
+    "Kind",
+    "KindFactory",
+    "Lifecycle",
+    "LimitsInputs",
+    "Metadata",
+    "ServedVersion",
+    "ShowsParameters",
+    "StepModel",
+    "Steps",
+    "TakesText",
+    "Tokenizes",
+    "TunesBatching",
+    "build",
+    "capability",
+    "check",
+    "find_kind",
+    "input_limits",
+    "lifecycle",
+    "load_checked",
+]
 
 # The batching settings a kind that tunes them shows (ModelConfig parameters, qkv_batching_setting).
 BATCHING_SHOWN = ("max_batch_size", "token_budget", "max_queue_delay_ms", "inline_max_tokens")
+# The built-in kinds, each `module:attribute` of its package's Kind: the one list of them.
+BUILT_IN = {
+    "tensor": "service.models.tensor:KIND",
+    "g2p": "service.models.g2p:KIND",
+    "ensemble": "service.models.ensemble:KIND",
+    "text": "service.models.text:KIND",
+    "generation": "service.models.generation.model:KIND",
+}
+ENTRY_POINTS = "qkv.kinds"  # the entry point group an installed package registers its kinds in
+
+
+Tensors = dict[str, np.ndarray]
+
+
+class StepModel(Protocol):
+    """What an ensemble's load-time checks read of a step's model."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def metadata(self) -> Metadata: ...
+
+
+class Steps(Protocol):
+    """The server, as an ensemble sees it: its served models, and a request to one of them."""
+
+    def step_model(self, name: str, version: str) -> StepModel:
+        """The version a step names ("" for the newest ready one); a ServingError saying why not."""
+        ...
+
+    async def run_step(
+        self,
+        ensemble: str,
+        step: EnsembleStep,
+        inputs: Tensors,
+        outputs: list[str],
+        params: dict[str, Any],
+        deadline: float | None,
+        trace: RequestTrace | None,
+    ) -> tuple[Tensors, int]:
+        """`step`'s model run on `inputs` (its own tensor names): the `outputs` asked for, and the length the
+        model counts the request by; a ServingError when it fails."""
+        ...
 
 
 class ServedVersion(Protocol):
-    """One loaded version of a model, whatever its kind: numpy arrays in, numpy arrays out."""
+    """The core of one loaded version of a model, whatever its kind: numpy arrays in, numpy arrays out. What
+    only some kinds do is a capability below, found with `capability(model, Cap)`."""
 
     in_flight: InFlight  # leases of requests between their lookup and their answer (the data plane's)
 
-    @property
-    def kind(self) -> str: ...  # config.json's kind, shown in ModelConfig and the start-up line
-    @property
-    def platform(self) -> str: ...  # ModelMetadata's platform, before ':PROVIDER'
-    @property
-    def compute_span(self) -> str: ...  # the name of a traced request's compute span
     @property
     def name(self) -> str: ...
     @property
     def version(self) -> str: ...
     @property
-    def provider(self) -> str: ...
-    @property
     def config(self) -> ModelConfig: ...
     @property
-    def inputs(self) -> list[TensorSpec]: ...
-    @property
-    def outputs(self) -> list[TensorSpec]: ...
-    @property
-    def max_batch_size(self) -> int: ...  # 0: no batch axis
+    def metadata(self) -> Metadata: ...  # kind, platform, provider, max_batch_size, inputs and outputs
     @property
     def stats(self) -> ModelStats: ...
-    @property
-    def admission(self) -> Admission: ...  # refuses early, before a request's tensors are decoded
-
-    def batching(self) -> BatchingConfig:
-        """The batching in force."""
-        ...
-
-    def batching_sources(self) -> dict[str, str] | None:
-        """Each BATCHING_SHOWN setting -> where its value came from, for a kind that tunes its batching;
-        None for one that does not (its settings are not shown)."""
-        ...
-
-    def input_limits(self, name: str) -> InputLimits:
-        """What input `name` may hold, checked before it is decoded."""
-        ...
-
-    def config_parameters(self) -> dict[str, str]:
-        """What the kind adds to its ModelConfig's parameters (g2p: the version of its text rules)."""
-        ...
-
-    def text_words(self, text: str) -> list[tuple[str, str]] | None:
-        """For a kind that takes text (Triton's generate extension): each whitespace-separated token of
-        `text` that holds a word, with the word as the model reads it; None for a kind that takes none."""
-        ...
-
-    def max_text_words(self) -> int:
-        """The words one request of a text kind may hold (0 for other kinds)."""
-        ...
-
-    def warm_up(self) -> None: ...
-    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
-        """Its scheduler begins; `on_failure` hears if the scheduler dies."""
-        ...
-
-    async def close(self) -> None: ...
-    def release(self) -> None: ...
 
     async def infer(
         self,
@@ -130,41 +156,218 @@ class Context:
 KindFactory = Callable[[ModelConfig, Context], ServedVersion]
 
 
-def _tensor(config: ModelConfig, context: Context) -> ServedVersion:
-    # config.json sequence_batching: a stateful model, through the sequence batcher
-    kind = TensorModel if config.sequence_batching is None else StatefulTensorModel
-    runtime = context.compute.run_lowered(partial(TensorRuntime, config, context.providers))
-    return kind(config, runtime, context.observer, context.compute)
+@dataclass(frozen=True)
+class Kind:
+    """A model kind: how a version of it is built, and what of config.json it reads beyond the common keys."""
+
+    build: KindFactory  # sessions built (at compute priority, through context.compute), not yet warm
+    limits: tuple[str, ...] = ()  # the keys its config.json `limits` may hold
+    sections: tuple[str, ...] = ()  # the config.json sections only it reads ("text")
 
 
-def _g2p(config: ModelConfig, context: Context) -> ServedVersion:
-    runtime = context.compute.run_lowered(partial(G2PRuntime, config, context.providers))
-    model = G2PModel(config, runtime, context.observer, context.compute)
-    model.cache = context.cache if config.response_cache else None  # it keeps each word's answer
-    return model
+# Capabilities: what some kinds do beyond the core, each asked for by `capability(model, Cap)`.
 
 
-def _ensemble(config: ModelConfig, context: Context) -> ServedVersion:
-    return EnsembleModel(config, context.steps, context.observer)
+@runtime_checkable
+class Lifecycle(Protocol):
+    """A kind with sessions or a scheduler: warmed at load, started once served, closed and released."""
+
+    def warm_up(self) -> None: ...
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        """Its scheduler begins; `on_failure` hears if the scheduler dies."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
-def _text(config: ModelConfig, context: Context) -> ServedVersion:
-    return build_text_model(config, context.providers, context.observer, context.compute)
+@runtime_checkable
+class AdmitsEarly(Protocol):
+    """A kind that queues requests: it refuses one early, before its tensors are decoded, when its queue
+    cannot take it by its `deadline` (a ServingError saying why)."""
+
+    def admit_early(self, deadline: float | None) -> None: ...
 
 
-def _generation(config: ModelConfig, context: Context) -> ServedVersion:
-    return build_generation_model(config, context.providers, context.observer, context.compute)
+@runtime_checkable
+class TunesBatching(Protocol):
+    """A kind that batches requests: the batching in force (ModelConfig's dynamic batching)."""
+
+    def batching(self) -> BatchingConfig: ...
+
+    def batching_sources(self) -> dict[str, str] | None:
+        """Each BATCHING_SHOWN setting -> where its value came from, for a kind that tunes its batching;
+        None for one that does not (its settings are not shown)."""
+        ...
 
 
-KINDS: dict[str, KindFactory] = {
-    "tensor": _tensor,
-    "g2p": _g2p,
-    "ensemble": _ensemble,
-    "text": _text,
-    "generation": _generation,
-}
+@runtime_checkable
+class LimitsInputs(Protocol):
+    """A kind that bounds its inputs before they are decoded (beyond the limit of any tensor)."""
+
+    def input_limits(self, name: str) -> InputLimits: ...
+
+
+@runtime_checkable
+class ShowsParameters(Protocol):
+    """A kind that adds to its ModelConfig's parameters (the version of its text rules, its task...)."""
+
+    def config_parameters(self) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class CachesParts(Protocol):
+    """A kind that keeps parts of its answers in the response cache itself: the server keeps no whole ones."""
+
+    def caches_parts(self) -> bool: ...
+
+
+@runtime_checkable
+class TakesText(Protocol):
+    """A kind that answers Triton's generate extension from one text, word by word (generate and
+    generate_stream): what a request of one text is, and what its answer says."""
+
+    def text_words(self, text: str) -> list[tuple[str, str]]:
+        """Each whitespace-separated token of `text` that holds a word, with the word as the model reads it."""
+        ...
+
+    def max_text_words(self) -> int:
+        """The words one request may hold."""
+        ...
+
+    def text_io(self, detailed: bool) -> tuple[str, tuple[str, ...]]:
+        """A request's text input, and the outputs it asks for (`detailed`: each word's answer too)."""
+        ...
+
+    def text_answer(self, outputs: Mapping[str, np.ndarray]) -> tuple[str, list[dict[str, str]] | None]:
+        """An answer's text_output, and each word's answer (word, phonemes, source, reason) when it has them."""
+        ...
+
+
+@runtime_checkable
+class Tokenizes(Protocol):
+    """A kind that reads texts with a tokenizer for a task (embed, classify, rerank): the text endpoints'."""
+
+    def text_task(self) -> str: ...
+
+    def tokenize(self, texts: list[str], special: bool = True) -> list[list[dict[str, Any]]]:
+        """Each text's tokens: id, text, whether special, character span."""
+        ...
+
+
+Cap = TypeVar("Cap")
+
+
+@cache
+def _offers(kind: type, cap: type) -> bool:
+    return all(callable(getattr(kind, name, None)) for name in _members(cap))
+
+
+@cache
+def _members(cap: type) -> tuple[str, ...]:
+    return tuple(n for n in vars(cap) if not n.startswith("_") and callable(getattr(cap, n)))
+
+
+def capability(model: object, cap: Callable[..., Cap]) -> Cap | None:
+    """`model` as capability `cap` (a Protocol above) when its class offers every method of `cap`, else None;
+    decided once a class and capability."""
+    return cast("Cap", model) if _offers(cast("Any", type(model)), cast("type", cap)) else None
+
+
+class _Still:
+    """The lifecycle of a kind without one: nothing to warm, start, close or release."""
+
+    def warm_up(self) -> None:
+        return None
+
+    def start(self, tracer: Tracing | None = None, on_failure: Callable[[ServingError], None] | None = None) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+_STILL = _Still()
+
+
+def lifecycle(model: object) -> Lifecycle:
+    """`model`'s warm-up, start, close and release: its kind's, or nothing to do."""
+    return capability(model, Lifecycle) or _STILL
+
+
+def input_limits(model: object, name: str) -> InputLimits:
+    """What input `name` of `model` may hold: its kind's limits, or the limit of any tensor."""
+    limited = capability(model, LimitsInputs)
+    return InputLimits() if limited is None else limited.input_limits(name)
+
+
+def _config_file(config: ModelConfig) -> Path:
+    return config.directory.parent / ("config.pbtxt" if config.triton is not None else "config.json")
+
+
+def find_kind(name: str, file: Path | str | None = None) -> Kind:
+    """The kind config.json's `kind` names: built in, registered (entry point group qkv.kinds), or
+    `module:attribute`; a ConfigError naming `file` and the key when there is none."""
+    at = "" if file is None else f"{file}: "
+    target = BUILT_IN.get(name)
+    if target is None and ":" not in name:
+        found = importlib.metadata.entry_points(group=ENTRY_POINTS, name=name)
+        if not found:
+            raise ConfigError(
+                "kind",
+                f"{at}kind {name!r}: no such kind (built in: {', '.join(BUILT_IN)}; or one an installed package "
+                f"registers in the entry point group {ENTRY_POINTS}; or an import path, module:attribute)",
+                file,
+            )
+        target = next(iter(found)).value
+    module, _, attribute = (target or name).partition(":")
+    try:
+        found_object = getattr(importlib.import_module(module), attribute)
+    except ImportError as e:
+        raise ConfigError("kind", f"{at}kind {name!r}: cannot import {module!r}: {e}", file) from None
+    except AttributeError:
+        raise ConfigError("kind", f"{at}kind {name!r}: module {module!r} has no {attribute!r}", file) from None
+    if isinstance(found_object, Kind):
+        return found_object
+    if isinstance(found_object, type) and callable(getattr(found_object, "infer", None)):
+        return Kind(build=cast("KindFactory", found_object), sections=getattr(found_object, "sections", ()))
+    raise ConfigError(
+        "kind", f"{at}kind {name!r}: {target or name} is not a kind (a Kind, or a class with an infer method)", file
+    )
+
+
+def check(config: ModelConfig) -> Kind:
+    """`config` against its kind's schema: the kind exists, and its limits and sections are its kind's; a
+    ConfigError naming the file and the key."""
+    file = _config_file(config)
+    kind = find_kind(config.kind, file)
+    unknown = sorted(set(config.limits) - set(kind.limits))
+    if unknown:
+        raise ConfigError(
+            f"limits.{unknown[0]}",
+            f"{file}: unknown limit(s) {unknown} for a {config.kind} model; known: {sorted(kind.limits)}",
+            file,
+        )
+    if config.text and "text" not in kind.sections:
+        raise ConfigError(
+            "text", f"{file}: text is a section of the text kind's config, not of a {config.kind} model", file
+        )
+    return kind
+
+
+def load_checked(directory: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
+    """The configurations of the model in `directory` (layout.load_model), each checked against its kind."""
+    configs = load_model(directory, raw)
+    for config in configs:
+        check(config)
+    return configs
 
 
 def build(config: ModelConfig, context: Context) -> ServedVersion:
-    """A version of `config.kind` (layout.py has refused unknown kinds), sessions built, not yet warm."""
-    return KINDS[config.kind](config, context)
+    """A version of `config.kind`, sessions built, not yet warm (`check` refuses a config its kind cannot use)."""
+    return check(config).build(config, context)

@@ -318,6 +318,11 @@ class Traced(Protocol):
     def started(self) -> float | None: ...
 
 
+class SpanNamer(Protocol):
+    @property
+    def compute_span(self) -> str: ...  # its kind's name for the compute span: qkv.compute, qkv.decode
+
+
 class TracedModel(Protocol):
     """What a request's span reads of the model version that answered it."""
 
@@ -326,7 +331,7 @@ class TracedModel(Protocol):
     @property
     def version(self) -> str: ...
     @property
-    def compute_span(self) -> str: ...  # its kind's name for the compute span: qkv.compute, qkv.decode
+    def metadata(self) -> SpanNamer: ...
 
 
 class BatchSpan:
@@ -463,7 +468,7 @@ class Tracing:
             began = t.started if t.started is not None else end
             self.tracer.start_span("qkv.queue", parent, start_time=t.ns(start)).end(t.ns(began))
         if t.started is not None:
-            self._compute(t, parent, end, model.compute_span if model is not None else "qkv.compute")
+            self._compute(t, parent, end, model.metadata.compute_span if model is not None else "qkv.compute")
         attributes: dict[str, Any] = {"qkv.status": code, "qkv.seq_len": seq_len}
         if "rpc.system" in (getattr(span, "attributes", None) or {}):
             attributes["rpc.grpc.status_code"] = grpc.StatusCode[code].value[0]

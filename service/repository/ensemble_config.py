@@ -11,7 +11,7 @@ inputs and outputs, or an internal tensor one step writes and later ones read. W
 without the step models is checked here: each tensor written once, each read tensor written by someone,
 each ensemble output written, each ensemble input read, and no cycle. The steps are kept in an order in
 which each comes after those it reads from; the checks against the step models' own tensors are made
-when the ensemble loads (service/models/ensemble.py).
+when the ensemble loads (service/models/ensemble/model.py).
 """
 
 from __future__ import annotations

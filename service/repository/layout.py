@@ -58,7 +58,6 @@ __all__ = [
 
 log = logging.getLogger("qkv.repository")
 
-KINDS = ("tensor", "g2p", "ensemble", "text", "generation")
 # A config.json (a file, or a load request's 'config' parameter): bounded before anything walks it. Real
 # ones are a few KiB, four levels deep.
 MAX_CONFIG_BYTES = 1 << 20
@@ -276,13 +275,6 @@ TRITON_FIELDS = frozenset({
     "metric_tags", "parameters", "model_warmup", "model_operations", "model_transaction_policy",
     "model_repository_agents",
 })  # fmt: skip
-LIMITS = {
-    "tensor": ("max_sequence_length", "vocab_size", "value_range", "max_output_elements"),
-    "g2p": ("max_word_length", "max_output_length", "max_words", "max_element_bytes", "max_beam_size"),
-    "ensemble": (),
-    "text": (),  # a text model's limits are in its "text" section
-    "generation": ("cache_bytes",),  # the key/value cache the running sequences may reserve
-}
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, when config.json names none
 _DECLARATION_KEYS = ("name", "datatype", "shape")
@@ -309,11 +301,9 @@ def _top_level(raw: dict[str, Any], where: str) -> None:
         log.warning("%s: Triton's setting(s) %s are not read by qkv (docs/configuration.md)", where, triton)
 
 
-def _limits(raw: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
-    """limits: those of the model's kind, each an integer, vocab_size an object of integers."""
-    unknown = sorted(set(raw) - set(LIMITS[kind]))
-    if unknown:
-        raise RepositoryError(f"{where}: unknown limit(s) {unknown} for a {kind} model; known: {sorted(LIMITS[kind])}")
+def _limits(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """limits: each an integer, vocab_size an object of integers, value_range one of ranges (which keys a
+    model may set is its kind's: service/models/catalog.py `check`)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key == "vocab_size":
@@ -427,9 +417,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         else "text" if text_folder
         else "tensor"
     )  # fmt: skip
-    kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)
-    if kind not in KINDS:
-        raise RepositoryError(f"{at}: unknown kind '{kind}' (one of {', '.join(KINDS)})")
+    kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)  # its kind's: models/catalog.py
     _typed_value("str", raw.get("name", ""), "name", at)  # Triton's; the directory names the model
     if not isinstance(raw.get("batching", {}), dict):
         raise RepositoryError(f"{at}: batching must be a JSON object, got {_shown(raw['batching'])}")
@@ -448,7 +436,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     }  # fmt: skip
     settings = _typed(ModelConfig, settings, at)
     if "limits" in settings:
-        settings["limits"] = _limits(settings["limits"], kind, at)
+        settings["limits"] = _limits(settings["limits"], at)
     card = raw.get("model_card", {})
     if not isinstance(card, dict):
         raise RepositoryError(f"{at}: model_card must be a JSON object, got {_shown(card)}")
@@ -472,8 +460,8 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
             raise RepositoryError(f"{at}: {e}") from None
     ensemble = _ensemble(raw.get("ensemble_scheduling"), kind, name, inputs, outputs, at)
     text = raw.get("text", {})
-    if not isinstance(text, dict) or (text and kind != "text"):
-        raise RepositoryError(f"{at}: text must be a JSON object, for a text model (kind 'text'), got {_shown(text)}")
+    if not isinstance(text, dict):  # read by the kind that has the section (models/catalog.py `check`)
+        raise RepositoryError(f"{at}: text must be a JSON object, got {_shown(text)}")
     policy = VersionPolicy()
     if "version_policy" in raw:
         policy = VersionPolicy.parse(raw["version_policy"], at)

@@ -34,9 +34,9 @@ from service.errors import (
     clip,
     quote,
 )
-from service.models.catalog import ServedVersion
+from service.models.catalog import AdmitsEarly, CachesParts, ServedVersion, capability, input_limits
 from service.models.classification import classify
-from service.models.kinds import Result
+from service.models.common import Result
 from service.models.response_cache import ResponseCache, deep_size
 from service.models.response_cache import key as cache_key
 from service.observability import logs
@@ -268,7 +268,7 @@ class DataPlane:
             return self.tracing.start_step(request.parent_trace, request.method)
         return self.tracing.start(request.trace_context, request.method)
 
-    # --- ensembles' steps (service/models/ensemble.py `Steps`) --------------------------------------
+    # --- ensembles' steps (service/models/ensemble/model.py `Steps`) --------------------------------------
 
     def step_model(self, name: str, version: str) -> ServedVersion:
         return self.registry.get(name, version)
@@ -325,14 +325,15 @@ class DataPlane:
         try:
             # What any request would be refused now is refused before its tensors are decoded:
             # under overload, refusing is most of the work and must stay cheap.
-            model.admission.check(0, request.deadline)
+            if (early := capability(model, AdmitsEarly)) is not None:
+                early.admit_early(request.deadline)
             _check_counts(request, model)
             inputs = await _decode(request, model)
             outputs = [o.name for o in request.outputs]
             params = dict(request.parameters.items()) if len(request.parameters) else {}
             infer = partial(model.infer, inputs, outputs, params, request.deadline, trace)
             cache = self.cache
-            if cache is not None and model.config.response_cache and not getattr(model, "caches_words", False):
+            if cache is not None and model.config.response_cache and capability(model, CachesParts) is None:
                 k = _cache_key(model, inputs, outputs, params)
 
                 async def kept() -> Result:
@@ -416,7 +417,7 @@ async def _classified(
             raise InvalidArgument(f"output {quote(name)}: classification must be an integer class count")
         counts[name] = count
     labels = {d["name"]: d.get("labels", ()) for d in model.config.outputs}
-    batched = model.max_batch_size > 0
+    batched = model.metadata.max_batch_size > 0
 
     def classified() -> dict[str, np.ndarray]:
         out = dict(outputs)
@@ -457,13 +458,13 @@ def _misnamed(names: Sequence[InferInput] | Sequence[RequestedOutput], known: li
 def _check_counts(request: InferRequest, model: ServedVersion) -> None:
     """The request's inputs, outputs and parameters counted against their limits (len(), which a front
     end's view of its message answers without building anything) before any is read."""
-    inputs = [s.name for s in model.inputs]
+    inputs = [s.name for s in model.metadata.inputs]
     if len(request.inputs) > len(inputs):
         raise InvalidArgument(
             f"{len(request.inputs)} inputs, model '{model.name}' takes {len(inputs)}: "
             f"{_misnamed(request.inputs, inputs, 'input', model.name)}"
         )
-    outputs = [s.name for s in model.outputs]
+    outputs = [s.name for s in model.metadata.outputs]
     if len(request.outputs) > len(outputs):
         raise InvalidArgument(
             f"{len(request.outputs)} outputs requested, model '{model.name}' has {len(outputs)}: "
@@ -482,7 +483,7 @@ async def _decode(request: InferRequest, model: ServedVersion) -> dict[str, np.n
 
 
 def _read_inputs(tensors: Sequence[InferInput], model: ServedVersion) -> dict[str, np.ndarray]:
-    known = {s.name for s in model.inputs}
+    known = {s.name for s in model.metadata.inputs}
     inputs: dict[str, np.ndarray] = {}
     for tensor in tensors:
         name = tensor.name
@@ -492,5 +493,5 @@ def _read_inputs(tensors: Sequence[InferInput], model: ServedVersion) -> dict[st
             raise InvalidArgument(
                 f"model '{model.name}' has no input {quote(name)} (inputs: {', '.join(sorted(known))})"
             )
-        inputs[name] = tensor.read(model.input_limits(name))
+        inputs[name] = tensor.read(input_limits(model, name))
     return inputs

@@ -33,8 +33,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from service.config import ServerSettings
-from service.errors import InvalidArgument, NotFound, ServingError, Unavailable, quote
-from service.models.catalog import BATCHING_SHOWN, Context, ServedVersion, Steps, build
+from service.errors import ConfigError, InvalidArgument, NotFound, ServingError, Unavailable, quote
+from service.models.catalog import (
+    BATCHING_SHOWN,
+    Context,
+    ServedVersion,
+    Steps,
+    TunesBatching,
+    build,
+    capability,
+    lifecycle,
+    load_checked,
+)
 from service.models.response_cache import ResponseCache
 from service.models.runtime import choose_providers
 from service.models.warmup_samples import warm_up_with_samples
@@ -46,7 +56,6 @@ from service.repository.layout import (
     config_fingerprint,
     dependencies,
     fingerprint,
-    load_model,
     model_directories,
 )
 from service.serving.memory import return_freed_memory
@@ -296,8 +305,8 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
         seen = fingerprint(served.directory)
         try:
-            configs = await loop.run_in_executor(None, load_model, served.directory, raw)
-        except RepositoryError as e:
+            configs = await loop.run_in_executor(None, load_checked, served.directory, raw)
+        except (RepositoryError, ConfigError) as e:
             served.states = {}
             served.reason = self.private(str(e))
             served.seen = seen  # the files are at fault: tried again once they change
@@ -322,7 +331,7 @@ class ModelRegistry:
                 built.append(await loop.run_in_executor(None, self._build, c))
             except Exception as e:
                 for m in built:
-                    m.release()
+                    lifecycle(m).release()
                 served.seen = seen
                 self._failed(served, name, c.version, e)
             log.info("model '%s' version %s built in %.2f s", name, c.version, time.perf_counter() - started)
@@ -405,7 +414,7 @@ class ModelRegistry:
         self._closing = True
         if self._poller is not None:
             self._poller.cancel()
-        closing = [asyncio.create_task(m.close()) for m in self.served()]
+        closing = [asyncio.create_task(lifecycle(m).close()) for m in self.served()]
         waiting = {*self._changes, *closing}
         if waiting:
             _, late = await asyncio.wait(waiting, timeout=grace)
@@ -419,28 +428,29 @@ class ModelRegistry:
         observer = self.metrics.observer(config.name, config.version)
         model = build(config, Context(self.providers, observer, self.cache, self.steps, self.compute))
         try:
-            model.warm_up()
+            lifecycle(model).warm_up()
             warm_up_with_samples(model, config.warmup, config.directory.parent)  # a Triton config's model_warmup
         except BaseException:
-            model.release()
+            lifecycle(model).release()
             raise
         return model
 
     def _activate(self, m: Model) -> None:
         """On the event loop: the model's batcher starts, and the metrics show it."""
-        self.metrics.model_info.labels(m.name, m.version, m.provider).set(1)
-        if m.batching_sources() is not None:  # a kind that tunes its batching shows what it chose
-            batching = m.batching()
+        self.metrics.model_info.labels(m.name, m.version, m.metadata.provider).set(1)
+        tunes = capability(m, TunesBatching)
+        if tunes is not None and tunes.batching_sources() is not None:  # a kind that tunes it shows what it chose
+            batching = tunes.batching()
             for key in BATCHING_SHOWN:
                 self.metrics.batching_setting.labels(m.name, m.version, key).set(float(getattr(batching, key)))
-        m.start(self.tracing, partial(self.version_failed, m))
+        lifecycle(m).start(self.tracing, partial(self.version_failed, m))
 
     async def _retire(self, served: ServedModel, leaving: list[Model]) -> None:
         """Let versions that no longer take requests finish theirs, then free them and their series."""
         for m in leaving:
             await m.in_flight.idle()  # every request that reached it answered (and counted in the metrics)
-            await m.close()
-            m.release()
+            await lifecycle(m).close()
+            lifecycle(m).release()
             served.states.pop(m.version, None)
             if self.cache is not None:  # a version reloaded in place may answer otherwise
                 self.cache.drop(m.name, m.version)

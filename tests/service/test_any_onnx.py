@@ -19,7 +19,7 @@ import tritonclient.http as h
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.models.kinds import has_batch_axis
+from service.models.common import has_batch_axis
 from service.models.runtime import TensorSpec
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.config import BatchingConfig

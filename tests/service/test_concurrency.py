@@ -26,7 +26,8 @@ from onnx import TensorProto, helper
 from service import protocol
 from service.config import ServerSettings
 from service.errors import Unavailable
-from service.models.kinds import ModelStats, TensorModel
+from service.models.common import ModelStats
+from service.models.tensor.model import TensorModel
 from service.observability.metrics import Metrics
 from service.scheduling.admission import WorkItem
 from service.scheduling.batching import DynamicBatcher, select_batch

@@ -23,8 +23,9 @@ import tritonclient.grpc as g
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from service.errors import InvalidArgument, ResourceExhausted
-from service.repository.layout import _TOP_LEVEL, LIMITS, RepositoryError, as_integer, load_model_config
+from service.errors import ConfigError, InvalidArgument, ResourceExhausted
+from service.models.catalog import BUILT_IN, check, find_kind
+from service.repository.layout import _TOP_LEVEL, RepositoryError, as_integer, load_model_config
 from service.scheduling.admission import Admission
 from service.scheduling.config import BatchingConfig
 from tests.conftest import ROOT, RunningServer, start_server
@@ -105,8 +106,6 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key_value_and_type(
 MISSPELT = [
     ({"max_batch_sise": 8}, "'max_batch_sise' (did you mean 'max_batch_size'?)"),
     ({"batching": {"max_queue_token": 8}}, "unknown setting(s) ['max_queue_token'] in batching"),
-    ({"limits": {"max_sequence_lenght": 8}}, "unknown limit(s) ['max_sequence_lenght'] for a tensor model"),
-    ({"kind": "g2p", "limits": {"max_sequence_length": 8}}, "unknown limit(s) ['max_sequence_length'] for a g2p"),
     ({"version_policy": {"latest": {"num_version": 2}}}, "unknown setting(s) ['num_version'] in version_policy.latest"),
     ({"version_policy": {"all": {"versions": [1]}}}, "unknown setting(s) ['versions'] in version_policy.all"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}]}, "missing ['shape']; unknown setting(s) ['dims']"),
@@ -117,6 +116,29 @@ MISSPELT = [
 def test_a_misspelt_key_is_refused_naming_it(tmp_path: Path, raw: dict[str, Any], says: str) -> None:
     message = _refused(tmp_path, raw)
     assert says in message, message
+
+
+KIND_SCHEMA = [
+    ({"limits": {"max_sequence_lenght": 8}}, "limits.max_sequence_lenght",
+     "unknown limit(s) ['max_sequence_lenght'] for a tensor model"),
+    ({"kind": "g2p", "limits": {"max_sequence_length": 8}}, "limits.max_sequence_length",
+     "unknown limit(s) ['max_sequence_length'] for a g2p"),
+    ({"kind": "tensor", "text": {"pooling": "mean"}}, "text", "text is a section of the text kind's config"),
+    ({"kind": "nope"}, "kind", "kind 'nope': no such kind (built in: tensor, g2p, ensemble, text, generation"),
+    ({"kind": "no_such_module:Kind"}, "kind", "cannot import 'no_such_module'"),
+    ({"kind": "service.models.catalog:Nothing"}, "kind", "module 'service.models.catalog' has no 'Nothing'"),
+    ({"kind": "service.models.catalog:BUILT_IN"}, "kind", "service.models.catalog:BUILT_IN is not a kind"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("raw", "key", "says"), KIND_SCHEMA, ids=[json.dumps(r)[:50] for r, _, _ in KIND_SCHEMA])
+def test_what_a_kind_reads_is_checked_against_its_kind_naming_the_file_and_key(
+    tmp_path: Path, raw: dict[str, Any], key: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        check(_config(tmp_path, raw))
+    assert e.value.key == key and e.value.file == tmp_path / "m" / "config.json", (e.value.key, e.value.file)
+    assert says in str(e.value) and str(e.value).startswith(str(tmp_path / "m" / "config.json")), str(e.value)
 
 
 def test_64_bit_integers_may_be_decimal_strings(tmp_path: Path) -> None:
@@ -166,7 +188,8 @@ def test_the_keys_checked_are_those_the_loader_and_the_models_read() -> None:
     read: dict[str, set[str]] = {}
     for key, kind in limit_reads():
         read.setdefault(kind, set()).add(key)
-    assert {kind: set(keys) for kind, keys in LIMITS.items() if keys} == read  # an ensemble has no limits of its own
+    limits = {name: find_kind(name).limits for name in BUILT_IN}
+    assert {kind: set(keys) for kind, keys in limits.items() if keys} == read  # an ensemble, a text model: none
 
 
 def test_a_request_that_can_never_fit_is_invalid_not_overload() -> None:

@@ -1,4 +1,4 @@
-"""Text as people write it: the reading rules (service/models/g2p_text.py) on a corpus of awkward
+"""Text as people write it: the reading rules (service/models/g2p/text.py) on a corpus of awkward
 sentences, then the same sentences through a real server over gRPC and HTTP, every one answered, with a
 pronunciation or a reason per word."""
 
@@ -15,9 +15,9 @@ import tritonclient.http as h
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.models.g2p_text import RULES, _Reader, _strip, cardinal, fold, is_symbol, ordinal, spoken_words, year
-from service.models.kinds import THREAD_TEXT_BYTES, count_words, normalize_word
-from service.models.lexicon import LEXICON_FILE, Lexicon
+from service.models.g2p.lexicon import LEXICON_FILE, Lexicon
+from service.models.g2p.model import THREAD_TEXT_BYTES, count_words, normalize_word
+from service.models.g2p.text import RULES, _Reader, _strip, cardinal, fold, is_symbol, ordinal, spoken_words, year
 from service.tools.bench.servers import variant
 from tests.conftest import MODELS, RunningServer, start_server, stop_server
 from tests.service.test_http import post

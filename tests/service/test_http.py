@@ -246,7 +246,7 @@ def test_generate_answers_text_and_each_words_phonemes(web: RunningServer) -> No
     status, _, body = post(web.http_url, "/v2/models/g2p/generate", b'{"text_input": "h\\u0007llo"}')
     assert status == 400 and "cannot spell character" in json.loads(body)["error"]
     status, _, body = post(web.http_url, "/v2/models/g2p_encoder/generate", b'{"text_input": "hello"}')
-    assert status == 400 and "has no input 'TEXT'" in json.loads(body)["error"]
+    assert status == 400 and "'g2p_encoder' takes no text (its kind: tensor)" in json.loads(body)["error"]
 
 
 def test_generate_stream_sends_an_event_per_word_then_the_whole(web: RunningServer) -> None:

@@ -1,4 +1,4 @@
-"""The pronouncing lexicon a g2p version ships (service/models/lexicon.py): the words it holds answered
+"""The pronouncing lexicon a g2p version ships (service/models/g2p/lexicon.py): the words it holds answered
 from it, the others decoded, measured on the words people use most (wordfreq's frequency list)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 from wordfreq import top_n_list
 
-from service.models.lexicon import LEXICON_FILE, Lexicon
+from service.models.g2p.lexicon import LEXICON_FILE, Lexicon
 from tests.conftest import MODELS, RunningServer
 from tests.service.test_http import post
 
@@ -85,7 +85,7 @@ def test_a_loaded_lexicon_adds_at_most_5_mb_of_resident_memory() -> None:
     script = f"""
 import gc
 from pathlib import Path
-from service.models.lexicon import Lexicon, _trim_heap
+from service.models.g2p.lexicon import Lexicon, _trim_heap
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
 Lexicon.load(Path({str(SHIPPED)!r}))  # what the first load imports and allocates once
 gc.collect(); _trim_heap()

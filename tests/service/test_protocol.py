@@ -247,7 +247,7 @@ def test_a_body_that_is_not_the_request_message_is_invalid_argument(server: Runn
 
 
 def test_text_normalisation() -> None:
-    from service.models.kinds import normalize_word
+    from service.models.g2p.model import normalize_word
 
     assert normalize_word("Hello,") == "hello"
     assert normalize_word("(world)!") == "world"

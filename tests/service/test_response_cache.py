@@ -18,9 +18,9 @@ import pytest
 from service import protocol
 from service.callers import CALLER, Caller
 from service.errors import DeadlineExceeded
-from service.models.kinds import _kept
+from service.models.g2p.model import _kept
+from service.models.g2p.runtime import G2PRuntime
 from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, deep_size, key
-from service.models.runtime import G2PRuntime
 from service.repository.layout import load_model_config
 from service.seq2seq.generation import Hypothesis, greedy_decode
 from service.tools.bench import scrape, variant

@@ -12,7 +12,7 @@ from export import data
 from export.evaluate import predict
 from export.quantize import quantize_graphs
 from export.scoring import score
-from service.models.kinds import normalize_word
+from service.models.g2p.model import normalize_word
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from service.tools.bench import variant

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.errors import InvalidArgument
+from service.errors import ConfigError, InvalidArgument
+from service.models.catalog import check
 from service.models.text.pooling import activate, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import read_settings
 from service.models.text.tokens import fit
@@ -78,8 +79,8 @@ def test_the_kind_is_text_when_the_folder_has_a_tokenizer_and_a_text_section_is_
     config = load_model_config(tmp_path / "m")
     assert config.kind == "text" and config.text == {}
     assert load_model_config(tmp_path / "m", raw={"text": {"pooling": "cls"}}).text == {"pooling": "cls"}
-    with pytest.raises(RepositoryError, match="text must be"):
-        load_model_config(tmp_path / "m", raw={"kind": "tensor", "text": {"pooling": "cls"}})
+    with pytest.raises(ConfigError, match="text is a section of the text kind's config, not of a tensor model"):
+        check(load_model_config(tmp_path / "m", raw={"kind": "tensor", "text": {"pooling": "cls"}}))
 
 
 def row(n: int, pair_at: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ import numpy as np
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError
+from service.models.catalog import Context, Kind, ServedVersion
+from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
@@ -27,20 +30,18 @@ from service.models.generation.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
-from service.models.kinds import ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import Admission
-from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 from service.seq2seq.graphs import session_options
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["CACHE_BUDGET", "STEP_TOKENS", "GenerationModel", "build_generation_model"]
+__all__ = ["CACHE_BUDGET", "KIND", "STEP_TOKENS", "GenerationModel", "build_generation_model"]
 
 log = logging.getLogger("qkv.models")
 
@@ -130,12 +131,6 @@ class GenerationModel:
     def max_batch_size(self) -> int:
         return 0
 
-    def batching(self) -> BatchingConfig:
-        return self.config.batching
-
-    def batching_sources(self) -> None:
-        return None
-
     def input_limits(self, name: str) -> InputLimits:
         return InputLimits(1, MAX_TEXT_BYTES, f"model '{self.name}' takes one text a request")
 
@@ -148,12 +143,6 @@ class GenerationModel:
             "step_tokens": str(self.engine.step_tokens),
             "cache_bytes": str(self.engine.cache_budget),
         }
-
-    def text_words(self, text: str) -> None:
-        return None
-
-    def max_text_words(self) -> int:
-        return 0
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
@@ -217,6 +206,17 @@ class GenerationModel:
             if not finished:
                 self.engine.cancel(sequence)
 
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
+
     async def infer(
         self,
         inputs: dict[str, np.ndarray],
@@ -272,3 +272,10 @@ def build_generation_model(
 ) -> GenerationModel:
     """A version of the generation kind, sessions built, not yet warm, its decoding thread run as `compute` says."""
     return GenerationModel(config, providers, observer, compute)
+
+
+def _build(config: ModelConfig, context: Context) -> ServedVersion:
+    return build_generation_model(config, context.providers, context.observer, context.compute)
+
+
+KIND = Kind(_build, limits=("cache_bytes",))  # the key/value cache the running sequences may reserve

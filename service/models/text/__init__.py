@@ -7,7 +7,16 @@
 - `model.py`: `TextModel`, the served version: texts to token rows, batched by length on the graph.
 """
 
+from service.models.catalog import Context, Kind, ServedVersion
 from service.models.text.model import TextModel, build_text_model
 from service.models.text.settings import TextSettings, is_text_folder
+from service.repository.layout import ModelConfig
 
-__all__ = ["TextModel", "TextSettings", "build_text_model", "is_text_folder"]
+__all__ = ["KIND", "TextModel", "TextSettings", "build_text_model", "is_text_folder"]
+
+
+def _build(config: ModelConfig, context: Context) -> ServedVersion:
+    return build_text_model(config, context.providers, context.observer, context.compute)
+
+
+KIND = Kind(_build, sections=("text",))  # a text model's limits are in its "text" section

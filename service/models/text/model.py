@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,8 +28,9 @@ from tokenizers import Encoding
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, TensorModel, check_inputs, check_outputs
+from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
+from service.models.tensor.model import TensorModel
 from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
@@ -200,11 +201,8 @@ class TextModel:
             shown |= {"pooling": s.pooling, "normalize": str(s.normalize).lower(), "dimensions": str(self.dim)}
         return shown
 
-    def text_words(self, text: str) -> None:
-        return None  # the generate extension is g2p's
-
-    def max_text_words(self) -> int:
-        return 0
+    def text_task(self) -> str:
+        return self.settings.task
 
     def tokenize(self, texts: list[str], special: bool = True) -> list[list[dict[str, Any]]]:
         """Each text's tokens as TEI's /tokenize shows them: id, text, whether special, character span."""
@@ -241,6 +239,17 @@ class TextModel:
         return l2_normalized(pooled) if s.normalize else pooled
 
     # --- a request --------------------------------------------------------------------------------------
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
+
+    def admit_early(self, deadline: float | None) -> None:
+        """Refused before its tensors are decoded when the queue cannot take it by `deadline`."""
+        self.admission.check(0, deadline)
 
     async def infer(
         self,

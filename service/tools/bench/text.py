@@ -42,8 +42,8 @@ import numpy as np
 
 from service import protocol
 from service.errors import UsageError
-from service.models.g2p_text import spoken_words
-from service.models.kinds import normalize_word
+from service.models.g2p.model import normalize_word
+from service.models.g2p.text import spoken_words
 from service.repository.layout import available_versions
 from service.tools import loadgen
 from service.tools.bench.load import run_closed
@@ -110,7 +110,7 @@ def read_sentences(paths: list[Path]) -> list[list[str]]:
 
 
 def words_of(text: str) -> list[str]:
-    """The words the server reads `text` as (g2p's text rules, service/models/g2p_text.py)."""
+    """The words the server reads `text` as (g2p's text rules, service/models/g2p/text.py)."""
     return spoken_words(text)
 
 

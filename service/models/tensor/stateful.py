@@ -18,8 +18,9 @@ import numpy as np
 from service.callers import CALLER
 from service.datatypes import NUMPY_DTYPES
 from service.errors import InvalidArgument, ServingError, quote
-from service.models.kinds import Result, TensorModel, _as_strings, check_outputs, checked_feeds
+from service.models.common import Result, _as_strings, check_outputs, checked_feeds
 from service.models.runtime import TensorRuntime
+from service.models.tensor.model import TensorModel
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError

@@ -22,13 +22,16 @@ import asyncio
 import copy
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.datatypes import MAX_ELEMENTS, InputLimits
+from service.datatypes import MAX_ELEMENTS
 from service.errors import FailedPrecondition, Internal, InvalidArgument, ServingError, quote
-from service.models.kinds import ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
+from service.models.base import declared_spec
+from service.models.catalog import StepModel, Steps
+from service.models.common import Metadata, ModelStats, Result, check_outputs, checked_feeds, has_batch_axis
 from service.models.output_bounds import Declared, predicted, unbounded
 from service.models.runtime import TensorSpec
 from service.observability.metrics import ModelObserver
@@ -41,49 +44,9 @@ from service.scheduling.leases import InFlight
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import RequestTrace, Tracing
 
-__all__ = ["EnsembleModel", "StepModel", "Steps"]
+__all__ = ["EnsembleModel"]
 
 Tensors = dict[str, np.ndarray]
-
-
-class StepModel(Protocol):
-    """What the load-time checks read of a step's model."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def inputs(self) -> list[TensorSpec]: ...
-    @property
-    def outputs(self) -> list[TensorSpec]: ...
-    @property
-    def max_batch_size(self) -> int: ...
-
-
-class Steps(Protocol):
-    """The server, as an ensemble sees it: its served models, and a request to one of them."""
-
-    def step_model(self, name: str, version: str) -> StepModel:
-        """The version a step names ("" for the newest ready one); a ServingError saying why not."""
-        ...
-
-    async def run_step(
-        self,
-        ensemble: str,
-        step: EnsembleStep,
-        inputs: Tensors,
-        outputs: list[str],
-        params: dict[str, Any],
-        deadline: float | None,
-        trace: RequestTrace | None,
-    ) -> tuple[Tensors, int]:
-        """`step`'s model run on `inputs` (its own tensor names): the `outputs` asked for, and the length the
-        model counts the request by; a ServingError when it fails."""
-        ...
-
-
-def _spec(declared: dict[str, Any]) -> TensorSpec:
-    shape = tuple(declared["shape"])
-    return TensorSpec(declared["name"], declared["datatype"], shape, (None,) * len(shape))
 
 
 def _agree(written: tuple[TensorSpec, str], read: TensorSpec, reader: str, tensor: str) -> None:
@@ -105,7 +68,7 @@ def _declared(model: StepModel) -> Declared:
     declares (an ensemble's outputs are each within MAX_ELEMENTS: its own steps are checked)."""
     axis_limits = getattr(model, "axis_limits", None)  # a kind that bounds its own axes (g2p's words)
     most = getattr(model, "max_output_elements", None)  # a kind that bounds its outputs whole (limits, an ensemble)
-    return Declared(tuple(model.inputs), model.max_batch_size > 0, axis_limits or {}, most)
+    return Declared(tuple(model.metadata.inputs), model.metadata.max_batch_size > 0, axis_limits or {}, most)
 
 
 def _renamed(error: ServingError, message: str) -> ServingError:
@@ -130,8 +93,8 @@ class EnsembleModel:
             raise RepositoryError(f"model '{config.name}': an ensemble needs its steps and a server to run them")
         self.config, self.ensemble, self._steps, self._observer = config, config.ensemble, steps, observer
         self.name, self.version = config.name, config.version
-        self.inputs = [_spec(d) for d in config.inputs]
-        self.outputs = [_spec(d) for d in config.outputs]
+        self.inputs = [declared_spec(d) for d in config.inputs]
+        self.outputs = [declared_spec(d) for d in config.outputs]
         batched = has_batch_axis(config, [*self.inputs, *self.outputs])
         given = config.batching.max_batch_size if "max_batch_size" in config.batching_given else 0
         self.max_batch_size = (given or BatchingConfig().max_batch_size) if batched else 0
@@ -141,24 +104,6 @@ class EnsembleModel:
         self.admission = Admission(self.name, BatchingConfig(), 1)
 
     # What the registry and the front ends ask of any version.
-
-    def batching(self) -> BatchingConfig:
-        return BatchingConfig(enabled=False, max_batch_size=max(1, self.max_batch_size))
-
-    def batching_sources(self) -> None:
-        return None
-
-    def input_limits(self, name: str) -> InputLimits:
-        return InputLimits()  # each step's model checks what it reads against its own limits
-
-    def config_parameters(self) -> dict[str, str]:
-        return {}
-
-    def text_words(self, text: str) -> None:
-        return None
-
-    def max_text_words(self) -> int:
-        return 0
 
     def warm_up(self) -> None:
         """At load: the step models are served, and every tensor agrees between its writer and its readers."""
@@ -183,7 +128,7 @@ class EnsembleModel:
                 model = self._steps.step_model(step.model_name, step.model_version)
             except ServingError as e:
                 raise RepositoryError(f"{where}: {step.describe()}: {e.message}") from None
-            ins, outs = {s.name: s for s in model.inputs}, {s.name: s for s in model.outputs}
+            ins, outs = {s.name: s for s in model.metadata.inputs}, {s.name: s for s in model.metadata.outputs}
             for model_tensor, tensor in step.input_map:
                 if model_tensor not in ins:
                     raise RepositoryError(
@@ -208,13 +153,21 @@ class EnsembleModel:
                         "known before the step runs (set limits.max_output_elements in the model's config.json)"
                     )
                 written[tensor] = (outs[model_tensor], f"{step.describe()} output '{model_tensor}'")
-            if self.max_batch_size > model.max_batch_size:
+            if self.max_batch_size > model.metadata.max_batch_size:
                 raise RepositoryError(
                     f"{where}: {step.describe()}: the ensemble's max_batch_size {self.max_batch_size} exceeds its "
-                    f"model's {model.max_batch_size}" + (" (no batch axis)" if model.max_batch_size == 0 else "")
+                    f"model's {model.metadata.max_batch_size}"
+                    + (" (no batch axis)" if model.metadata.max_batch_size == 0 else "")
                 )
         for s in self.outputs:
             _agree(written[s.name], s, f"ensemble output '{s.name}'", s.name)
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """What the version is (ModelMetadata, ModelConfig): fixed once it is loaded."""
+        return Metadata(
+            self.kind, self.platform, self.provider, self.max_batch_size, self.inputs, self.outputs, self.compute_span
+        )
 
     async def infer(
         self,
@@ -298,7 +251,7 @@ class EnsembleModel:
         the limit of a tensor: refused before the model runs (and allocates it), not at the next step.
         Returns each output's elements at most, which its answer is held to."""
         model = self._steps.step_model(step.model_name, step.model_version)
-        declared, outs = _declared(model), {s.name: s for s in model.outputs}
+        declared, outs = _declared(model), {s.name: s for s in model.metadata.outputs}
         bounds = {}
         for name in asked:
             spec = outs.get(name)

@@ -5,7 +5,7 @@
 "three", "quarters"]`. Numbers, currency, times, fractions, percentages and common abbreviations are
 read out; accented Latin letters fold to their base letters; a word longer than the model can take is
 cut into pieces it can. What the rules cannot turn into Latin letters (Chinese, emoji) is left as it is:
-the model decides what it can spell and says why not (service/models/kinds.py).
+the model decides what it can spell and says why not (service/models/g2p/model.py).
 
 The rules are versioned (`RULES`): a change that alters any answer gets a new version, which the model
 card names, so an answer can be reproduced; a server reads by every version it has (`VERSIONS`), so a
