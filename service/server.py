@@ -173,7 +173,9 @@ class Server:
         )
         regions = SharedMemoryService(self.shared_memory, self._tokens, bound)
         server.add_generic_rpc_handlers((protocol.generic_handler(regions),))
-        server.add_generic_rpc_handlers((protocol.generic_handler(LoadReports(self.plane), protocol.ORCA_SERVICE),))
+        server.add_generic_rpc_handlers(
+            (protocol.generic_handler(LoadReports(self.plane, self.metrics), protocol.ORCA_SERVICE),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [protocol.SERVICE_NAME, protocol.ORCA_SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME],

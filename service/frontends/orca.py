@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from service import protocol
+from service.observability.metrics import Metrics
 from service.serving.dataplane import DataPlane
 
 __all__ = ["MIN_INTERVAL_S", "LoadReports", "Sample", "report"]
@@ -68,10 +69,10 @@ def _resident_bytes() -> int:
 
 
 class LoadReports:
-    """The servicer of `OpenRcaService` over one data plane."""
+    """The servicer of `OpenRcaService` over one data plane and the capacity signal its models feed `metrics`."""
 
-    def __init__(self, plane: DataPlane, clock: Callable[[], float] = time.monotonic) -> None:
-        self.plane, self.clock = plane, clock
+    def __init__(self, plane: DataPlane, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.plane, self.metrics, self.clock = plane, metrics, clock
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.memory = _memory_limit()
 
@@ -84,7 +85,7 @@ class LoadReports:
 
     def report(self, before: Sample, now: Sample) -> Any:
         """The load report for the interval from `before` to `now`."""
-        return report(self.plane, before, now, self.cores, _resident_bytes() / self.memory)
+        return report(self.metrics.capacity_signal(), before, now, self.cores, _resident_bytes() / self.memory)
 
     async def StreamCoreMetrics(self, request: Any, context: Any) -> None:
         asked = request.report_interval.seconds + request.report_interval.nanos / 1e9
@@ -102,14 +103,15 @@ class LoadReports:
             before = now
 
 
-def report(plane: DataPlane, before: Sample, now: Sample, cores: int, memory_share: float) -> Any:
-    """An `OrcaLoadReport` of the plane's models now, with the rates over `before` to `now`."""
+def report(
+    signal: dict[tuple[str, str], tuple[float, float]], before: Sample, now: Sample, cores: int, memory_share: float
+) -> Any:
+    """An `OrcaLoadReport` of each model version's (predicted wait, utilization) in `signal`, with the rates
+    over `before` to `now`."""
     out = protocol.OrcaLoadReport()
     total, longest = 0.0, 0.0
-    for model in plane.statistics():
-        admission = model.admission
-        utilization, wait = admission.utilization(), admission.wait_seconds()
-        key = f"{model.name}/{model.version}"
+    for (name, version), (wait, utilization) in signal.items():
+        key = f"{name}/{version}"
         out.utilization[key] = min(utilization, 1.0)
         out.named_metrics[f"queue_wait_seconds/{key}"] = wait
         total, longest = total + utilization, max(longest, wait)

@@ -333,6 +333,11 @@ class Metrics:
         self.predicted_wait.labels(model, version).set_function(wait_seconds)
         self.utilization.labels(model, version).set_function(utilization)
 
+    def capacity_signal(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """Each (model, version)'s predicted queue wait and utilization now, as a scrape reads them (kept with
+        metrics off too: ORCA's load reports read them)."""
+        return {key: (wait(), utilization()) for key, (wait, utilization) in list(self._capacity.items())}
+
 
 class CacheMetrics:
     """The response cache's observer: its lookups, insertions and evictions into the metrics."""

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as g
 
 from service import protocol
-from service.frontends.orca import MIN_INTERVAL_S
+from service.frontends.orca import MIN_INTERVAL_S, Sample, report
 from service.scheduling.admission import DEMAND_HORIZON_S, Admission, Demand
 from service.scheduling.config import BatchingConfig
 from tests.conftest import RunningServer
@@ -143,3 +143,14 @@ def test_orca_reports_carry_the_same_signal_to_grpc_balancers(server: RunningSer
     assert report.utilization["a/1"] > 0 and report.utilization["b/1"] == 0
     assert report.application_utilization == pytest.approx(report.utilization["a/1"], rel=0.05)
     assert "queue_wait_seconds/a/1" in report.named_metrics
+
+
+def test_an_orca_report_sums_the_models_and_rates_the_interval() -> None:
+    signal = {("a", "1"): (0.5, 1.7), ("b", "2"): (0.0, 0.2)}  # (predicted wait s, utilization)
+    before, now = Sample(at=10.0, cpu=1.0, answered=10, failed=1), Sample(at=12.0, cpu=2.0, answered=30, failed=5)
+    out = report(signal, before, now, cores=2, memory_share=0.3)
+    assert out.application_utilization == pytest.approx(1.9)  # past 1: the queues grow
+    assert dict(out.utilization) == pytest.approx({"a/1": 1.0, "b/2": 0.2})  # each capped at 1, the field's range
+    assert out.named_metrics["queue_wait_seconds"] == 0.5 and out.named_metrics["queue_wait_seconds/b/2"] == 0
+    assert (out.cpu_utilization, out.rps_fractional, out.eps) == pytest.approx((0.25, 10.0, 2.0))
+    assert out.mem_utilization == pytest.approx(0.3)
