@@ -19,6 +19,7 @@ import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument, ResourceExhausted
+from service.models.catalog import recognised
 from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
@@ -64,7 +65,7 @@ def expected() -> dict[str, list[list[int]]]:
 
 
 def _model(repo: Path, architecture: str, **limits: Any) -> GenerationModel:
-    config = load_model_config(repo / architecture)
+    config = recognised(load_model_config(repo / architecture))
     if limits:
         from dataclasses import replace
 
@@ -93,11 +94,11 @@ async def _collect(model: GenerationModel, request: GenerationRequest) -> list[G
 
 def test_an_exported_folder_with_a_tokenizer_is_a_generation_model(repo: Path, tmp_path: Path) -> None:
     for architecture in ARCHITECTURES:
-        assert load_model_config(repo / architecture).kind == "generation"
+        assert recognised(load_model_config(repo / architecture)).kind == "generation"
     bare = tmp_path / "gpt2"  # the graph alone (no tokenizer): a tensor model, as before
     (bare / "1").mkdir(parents=True)
     shutil.copy(repo / "gpt2" / "1" / "model.onnx", bare / "1" / "model.onnx")
-    assert load_model_config(bare).kind == "tensor"
+    assert recognised(load_model_config(bare)).kind == "tensor"
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

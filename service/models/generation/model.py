@@ -27,7 +27,7 @@ from service.models.generation.capability import GenerationChunk, GenerationDefa
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
 from service.models.generation.engine import Engine, Message, Sequence
-from service.models.generation.folder import read_folder, read_tokenizer
+from service.models.generation.folder import read_folder, read_tokenizer, recognises
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
 from service.models.runtime import TensorSpec
@@ -278,4 +278,6 @@ def _build(config: ModelConfig, context: Context) -> ServedVersion:
     return build_generation_model(config, context.providers, context.observer, context.compute)
 
 
-KIND = Kind(_build, limits=("cache_bytes",))  # the key/value cache the running sequences may reserve
+KIND = Kind(
+    _build, limits=("cache_bytes",), recognises=recognises
+)  # the key/value cache the running sequences may reserve
