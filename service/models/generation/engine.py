@@ -8,9 +8,11 @@ sequence past its prompt and runs what the token budget leaves of waiting prompt
   caches left-padded to the longest, the new tokens left-padded too, the attention mask zero on every pad
   and position_ids given explicitly, so a row's answer is what it would be alone.
 - encoder-decoder: the encoder once per prompt (the step's new prompts batched, right-padded, sorted by
-  length), then the decoder. T5's decoder takes no self-attention mask and biases attention by relative
-  position, so padding its cache would change the answer: decoder rows run in groups of equal cache
-  length (sequences that joined at the same step decode together).
+  length), then the decoder. The decoder with past is given a self-attention mask at load (masking.py):
+  rows of different lengths run in one call as decoder-only rows do, the caches left-padded and the pads
+  masked (T5's relative position bias moves with the pad, so only the pads need masking). A decoder whose
+  graph the rewrite does not recognise takes no mask, and padding its cache would change the answer: its
+  rows run in groups of equal cache length (sequences that joined at the same step decode together).
 
 The cache is reserved in a memory budget when a sequence joins (prompt and max_tokens worth): a request
 that cannot fit waits in the queue, one that could never fit is refused. A sequence whose client went
