@@ -68,3 +68,21 @@ def test_a_graph_without_the_pattern_is_refused_saying_why(folder: Path) -> None
     twice, _ = with_self_attention_mask((folder / "decoder_with_past_model.onnx").read_bytes())
     with pytest.raises(Unmasked, match=f"already has an input named {MASK}"):
         with_self_attention_mask(twice)
+
+
+def test_a_decoder_whose_self_attention_bias_is_not_relative_is_refused(folder: Path) -> None:
+    """BART and Marian add only the causal mask to their scores and take their positions from the cache's
+    length: a left pad would move them. Made here from T5's decoder by adding the causal mask alone."""
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load(folder / "decoder_with_past_model.onnx")
+    producers = {o: n for n in model.graph.node for o in n.output}
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "Softmax" and "SelfAttention" in node.name:
+            scores = producers[producers[node.input[0]].input[0]]  # Softmax <- Cast <- Add(q x k^T, bias)
+            position_bias_plus_mask = producers[scores.input[1]]  # Add(relative bias, causal mask)
+            scores.input[1] = position_bias_plus_mask.input[1]
+            changed += 1
+    assert changed == 2
+    with pytest.raises(Unmasked, match="not a relative position bias"):
+        with_self_attention_mask(model.SerializeToString())

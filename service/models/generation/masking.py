@@ -14,9 +14,11 @@ heads and query positions, and added to the scores of every self-attention softm
 
 A self-attention softmax is recognised from the graph: a Softmax whose input is (through Casts) an Add one of
 whose inputs is a MatMul whose keys come (through Transpose, Reshape, Concat) from a self-attention past key
-input, `past_key_values.N.decoder.key`. A merged decoder's softmaxes sit in its If's cache branch, which reads
-the new input from the outer graph. Every layer's self-attention must be found, or the graph is left as it is
-(`Unmasked` says why).
+input, `past_key_values.N.decoder.key`, and whose other input is made from a Gather of a (buckets, heads)
+table, T5's relative position bias. A decoder with absolute positions (BART, Marian: taken from the cache's
+length) would read a padded row's positions wrong, and is left as it is. A merged decoder's softmaxes sit in
+its If's cache branch, which reads the new input from the outer graph. Every layer's self-attention must be
+found, or the graph is left as it is (`Unmasked` says why).
 
 The serving install has no onnx package: the graph is read and written with protobuf classes of the few ONNX
 messages the rewrite touches, built here in a private descriptor pool (field numbers as onnx.proto gives
@@ -39,6 +41,7 @@ MASK = "decoder_attention_mask"
 _SELF_KEY = re.compile(r"past_key_values\.(\d+)\.decoder\.key")
 _KEY_PATH = frozenset({"Transpose", "Reshape", "Concat", "Identity", "Cast"})  # ops between a past key and k^T
 _KEY_DEPTH = 6
+_BIAS_DEPTH = 8  # nodes between a relative position bias table's Gather and the bias added to the scores
 # ONNX TensorProto.DataType: the float types a mask's bias may take, and int64
 _FLOATS: dict[int, type[np.floating[Any]]] = {1: np.float32, 10: np.float16, 11: np.float64}
 _INT64 = 7
@@ -141,8 +144,22 @@ def _reads_past_key(name: str, producers: dict[str, Any], keys: set[str], depth:
     return any(_reads_past_key(i, producers, keys, depth - 1) for i in node.input)
 
 
-def _self_attention_softmaxes(graph: Any, keys: set[str]) -> list[Any]:
-    """The Softmax nodes of `graph` (not its subgraphs) whose scores are q x k^T over a past key, plus a bias."""
+def _relative_bias(name: str, producers: dict[str, Any], tables: set[str]) -> bool:
+    """Whether `name` is made (within _BIAS_DEPTH nodes) from a Gather of one of `tables`: a position bias of
+    (buckets, heads)."""
+    seen, level = {name}, [name]
+    for _ in range(_BIAS_DEPTH):
+        nodes = [n for n in (producers.get(v) for v in level) if n is not None]
+        if any(n.op_type == "Gather" and n.input[0] in tables for n in nodes):
+            return True
+        level = [i for n in nodes for i in n.input if i not in seen]
+        seen.update(level)
+    return False
+
+
+def _self_attention_softmaxes(graph: Any, keys: set[str], tables: set[str]) -> list[tuple[Any, bool]]:
+    """The Softmax nodes of `graph` (not its subgraphs) whose scores are q x k^T over a past key, plus a bias;
+    with each, whether that bias is a relative position bias (a Gather from one of `tables`)."""
     producers = {o: n for n in graph.node for o in n.output}
     found = []
     for node in graph.node:
@@ -153,10 +170,10 @@ def _self_attention_softmaxes(graph: Any, keys: set[str]) -> list[Any]:
             scores = producers.get(scores.input[0])
         if scores is None or scores.op_type != "Add":
             continue
-        for term in scores.input:
+        for j, term in enumerate(scores.input):
             matmul = producers.get(term)
             if matmul is not None and matmul.op_type == "MatMul" and _reads_past_key(matmul.input[1], producers, keys):
-                found.append(node)
+                found.append((node, _relative_bias(scores.input[1 - j], producers, tables)))
                 break
     return found
 
@@ -208,16 +225,23 @@ def with_self_attention_mask(data: bytes) -> tuple[bytes, bool]:
     if not keys:
         raise Unmasked("it takes no self-attention past key (past_key_values.N.decoder.key)")
     cache_type = min(inputs[k].type.tensor_type.elem_type for k in keys)
-    found = [(g, s) for g in _graphs(graph) for s in _self_attention_softmaxes(g, keys)]
+    n_heads = inputs[min(keys)].type.tensor_type.shape.dim[1].dim_value
+    tables = {t.name for g in _graphs(graph) for t in g.initializer if len(t.dims) == 2 and t.dims[1] == n_heads}
+    found = [(g, s, relative) for g in _graphs(graph) for s, relative in _self_attention_softmaxes(g, keys, tables)]
     if len(found) < len(keys):
         raise Unmasked(
             f"{len(found)} softmax(es) found over q x k^T plus a bias whose keys come from the {len(keys)} "
             "self-attention past keys; every layer's is needed"
         )
+    if not all(relative for _, _, relative in found):
+        raise Unmasked(
+            f"its self-attention bias is not a relative position bias (a Gather from a (buckets, {n_heads} heads) "
+            "table): a left pad would move the positions the decoder reads from its cache's length"
+        )
     biases: dict[tuple[int, int], str] = {}  # (graph, element type) -> its bias, made once
     heads: dict[int, list[Any]] = {}  # graph -> the nodes making its biases, put first
     adds: dict[int, Any] = {}  # softmax -> the Add of the bias to its scores, put just before it
-    for g, softmax in found:
+    for g, softmax, _ in found:
         onnx_type = _softmax_type(softmax, g, cache_type)
         if onnx_type not in _FLOATS:
             raise Unmasked(f"softmax {softmax.name!r} runs in ONNX element type {onnx_type}, not a float")
