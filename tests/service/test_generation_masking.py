@@ -4,6 +4,7 @@ as they were; a graph without the pattern is refused with the reason. Needs the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -86,3 +87,22 @@ def test_a_decoder_whose_self_attention_bias_is_not_relative_is_refused(folder: 
     assert changed == 2
     with pytest.raises(Unmasked, match="not a relative position bias"):
         with_self_attention_mask(model.SerializeToString())
+
+
+def test_a_decoder_whose_weights_lie_beside_it_is_masked_too(folder: Path, tmp_path: Path) -> None:
+    """A graph read from memory finds its external data (the weights in a file of their own) in its folder."""
+    onnx = pytest.importorskip("onnx")
+    shutil.copy(folder / "encoder_model.onnx", tmp_path)
+    model = onnx.load(folder / "decoder_model_merged.onnx")
+    onnx.save(model, tmp_path / "decoder_model_merged.onnx", save_as_external_data=True, size_threshold=0,
+              location="decoder_model_merged.onnx_data")  # fmt: skip
+    files = ("encoder_model.onnx", "decoder_model_merged.onnx")
+    answers = []
+    for where in (folder, tmp_path):
+        graphs = Seq2SeqGraphs(where, files, ort.SessionOptions(), ["CPUExecutionProvider"], "t5")
+        assert graphs.masked
+        ids = np.array([[11, 42, 7]], dtype=np.int64)
+        mask = np.ones_like(ids)
+        _, cache = graphs.start(np.zeros((1, 1), dtype=np.int64), graphs.encode(ids, mask), mask)
+        answers.append(graphs.step(np.array([[5]]), mask, cache)[0])
+    np.testing.assert_array_equal(answers[0], answers[1])
