@@ -48,9 +48,9 @@ log = logging.getLogger("qkv.models")
 CACHE_BUDGET = 1 << 30  # key/value cache bytes the running sequences may reserve (limits.cache_bytes)
 STEP_TOKENS = 256  # tokens a step runs, decoding and prefill together (batching.token_budget when given)
 MAX_RUNNING = 64  # sequences in the running batch (batching.max_batch_size when given)
-# An encoder-decoder's new sequences join a running batch this many together, or fewer after this wait
-# (batching.min_join_rows, batching.max_queue_delay_ms when given): T5's decoder rows run in groups of equal
-# length, so sequences that join one at a time each decode in a call of their own.
+# An encoder-decoder whose decoder takes no self-attention mask (masking.py did not recognise its graph) runs
+# its decoder rows in groups of equal length: its new sequences join a running batch this many together, or
+# fewer after this wait (batching.min_join_rows, batching.max_queue_delay_ms when given).
 MIN_JOIN = 8
 JOIN_DELAY_MS = 20.0
 MAX_TEXT_BYTES = 1 << 20
