@@ -22,7 +22,7 @@ from service import protocol
 from service.callers import Caller
 from service.errors import InvalidArgument, ResourceExhausted, ServingError, quote
 from service.frontends import shared_memory
-from service.frontends.codec import MessageSource
+from service.frontends.grpc_codec import MessageSource
 from service.frontends.grpc_generate import stream_generation
 from service.frontends.messages import (
     config_message,

@@ -33,8 +33,9 @@ from service.config import ServerSettings
 from service.datatypes import encode_bytes
 from service.errors import ConfigError, InvalidArgument, ServingError, clip, quote
 from service.frontends import shared_memory
-from service.frontends.codec import MessageSource, RawSource
+from service.frontends.codec import RawSource
 from service.frontends.completions_api import CompletionsApi
+from service.frontends.grpc_codec import MessageSource
 from service.frontends.messages import (
     config_message,
     index_message,

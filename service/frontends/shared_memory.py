@@ -45,7 +45,7 @@ import numpy as np
 from service.callers import Caller, share_of
 from service.datatypes import NUMPY_DTYPES
 from service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
-from service.frontends.codec import fill_output
+from service.frontends.grpc_codec import fill_output
 from service.frontends.peers import access
 from service.frontends.security import BearerTokens
 
