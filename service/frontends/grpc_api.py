@@ -22,7 +22,7 @@ from service import protocol
 from service.callers import Caller
 from service.errors import InvalidArgument, ResourceExhausted, ServingError, quote
 from service.frontends import shared_memory
-from service.frontends.grpc_codec import MessageSource
+from service.frontends.grpc_codec import MessageSource, place_output
 from service.frontends.grpc_generate import stream_generation
 from service.frontends.messages import (
     config_message,
@@ -134,8 +134,12 @@ class _Inputs(Sequence[InferInput]):
         if built is not None:
             return built
         t = self._tensors[k]
-        raw = self._memory.contents(t) if self._memory is not None else None  # read from its region
-        if raw is None and len(self._raw) and not self._refused:
+        region = self._memory.source(t.name) if self._memory is not None and not self._refused else None
+        if region is not None:  # read from its region
+            built = self._built[k] = InferInput(t.name, t.datatype, t.shape, region)
+            return built
+        raw = None
+        if len(self._raw) and not self._refused:
             j = k if self._raw_index is None else self._raw_index[k]
             raw = partial(self._raw.__getitem__, j)
         built = self._built[k] = InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
@@ -204,7 +208,7 @@ def encode_response(
         model_name=answer.model_name, model_version=answer.model_version, id=answer.id
     )
     for name, array in answer.outputs.items():
-        response.raw_output_contents.append(shared_memory.place_output(memory, response.outputs.add(name=name), array))
+        response.raw_output_contents.append(place_output(memory, response.outputs.add(name=name), array))
     # The contents are most of a large answer: only one near the limit is measured whole.
     if sum(map(len, response.raw_output_contents)) + WALKED_BYTES > limit and (size := response.ByteSize()) > limit:
         raise ResourceExhausted(
@@ -226,7 +230,17 @@ def _attached(
     `uid`: the requesting user (service/frontends/peers.py), found only for a request that names a region."""
     if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
         return None
-    return regions.attach(message, uid, caller)
+    if not any(len(t.parameters) for t in (*message.inputs, *message.outputs)):
+        return None  # most requests: no tensor has a parameter, so none names a region
+    inputs = [
+        shared_memory.TensorRegion(t.name, _parameters(t.parameters), t.HasField("contents"))
+        for t in message.inputs
+        if len(t.parameters)
+    ]
+    outputs = [
+        shared_memory.TensorRegion(t.name, _parameters(t.parameters)) for t in message.outputs if len(t.parameters)
+    ]
+    return regions.attach(inputs, outputs, uid, caller)
 
 
 async def _abort(context: Context, e: ServingError) -> NoReturn:

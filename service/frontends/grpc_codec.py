@@ -1,9 +1,10 @@
 """gRPC's tensors <-> numpy: an InferInputTensor's typed or raw contents as the data plane's source, and an
-output's metadata on an InferOutputTensor. The raw bytes themselves are service/frontends/codec.py's."""
+output's metadata on an InferOutputTensor (its contents there, or in its shared memory region). The raw bytes
+themselves are service/frontends/codec.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +12,11 @@ import numpy as np
 
 from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
-from service.frontends.codec import output_bytes, raw_array
-from service.serving.dataplane_types import checked_shape
+from service.frontends.codec import check_element_bytes, output_bytes, raw_array
+from service.frontends.shared_memory import RequestMemory
+from service.serving.dataplane_types import Parameter, checked_shape
 
-__all__ = ["CONTENTS_FIELD", "MessageSource", "fill_output"]
+__all__ = ["CONTENTS_FIELD", "MessageSource", "fill_output", "place_output", "set_parameters"]
 
 # The typed-contents field that carries each datatype (smaller ints travel widened).
 CONTENTS_FIELD = {
@@ -86,12 +88,7 @@ def _contents_array(
         )
     if datatype == "BYTES":
         elements = list(values)
-        if limits.element_bytes is not None:
-            for i, b in enumerate(elements):
-                if len(b) > limits.element_bytes:
-                    raise InvalidArgument(
-                        f"input {quote(name)} element {i}: {len(b)} bytes, the limit is {limits.element_bytes}"
-                    )
+        check_element_bytes(name, elements, limits.element_bytes)
         return np.array(elements, dtype=np.object_).reshape(shape)
     dtype = np.dtype(NUMPY_DTYPES[datatype])
     if datatype in _NARROW:  # carried widened (int32 / uint32): a value may not fit the declared type
@@ -111,3 +108,28 @@ def fill_output(tensor: Any, array: np.ndarray) -> bytes:
     tensor.datatype = datatype_of(array)
     tensor.shape.extend(array.shape)
     return output_bytes(array)
+
+
+def set_parameters(target: Any, params: Mapping[str, Parameter]) -> None:
+    """Plain parameter values into a message's map of InferParameter, each in the field its type says."""
+    for key, value in params.items():
+        if isinstance(value, bool):
+            target[key].bool_param = value
+        elif isinstance(value, int):
+            target[key].int64_param = value
+        elif isinstance(value, float):
+            target[key].double_param = value
+        else:
+            target[key].string_param = value
+
+
+def place_output(memory: RequestMemory | None, tensor: Any, array: np.ndarray) -> bytes:
+    """An output's metadata on `tensor`, and its raw contents for the answer: b"" for one written into its shared
+    memory region, whose parameters then say where (every output keeps its entry in raw_output_contents, as
+    Triton's do)."""
+    data = fill_output(tensor, array)
+    placed = memory.write(tensor.name, data) if memory is not None else None
+    if placed is None:
+        return data
+    set_parameters(tensor.parameters, placed)
+    return b""
