@@ -1,6 +1,6 @@
 """The data plane's answers about models as the protocol's messages: server and model metadata, model
 configuration, statistics and the repository index. gRPC sends them as they are; REST writes them as
-Triton's REST API does, as JSON of the same messages (`rest_codec.message_json`)."""
+Triton's REST API does, as JSON of the same messages (`message_json`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from service import protocol
 from service.callers import Caller
@@ -16,7 +18,22 @@ from service.models.response_cache import ResponseCache
 from service.serving.dataplane import ServerInfo
 from service.serving.registry import VersionState
 
-__all__ = ["config_message", "index_message", "metadata_message", "server_metadata_message", "statistics_message"]
+__all__ = [
+    "config_message",
+    "index_message",
+    "message_json",
+    "metadata_message",
+    "server_metadata_message",
+    "statistics_message",
+]
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
 
 
 def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> Any:
@@ -190,3 +207,36 @@ def index_message(rows: Iterable[VersionState]) -> Any:
     for row in rows:
         response.models.add(name=row.name, version=row.version, state=row.state, reason=row.reason)
     return response
+
+
+def _numbers(message: Message, doc: Any) -> Any:
+    """Undo proto3 JSON's strings for 64-bit integers: Triton's REST answers carry numbers, and
+    perf_analyzer and tritonclient read them as numbers."""
+    if not isinstance(doc, dict):
+        return doc
+    for f in message.DESCRIPTOR.fields:
+        if f.name not in doc:
+            continue
+        value = getattr(message, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            entry = f.message_type.fields_by_name["value"]
+            if entry.message_type is not None:
+                for key, sub in value.items():
+                    _numbers(sub, doc[f.name][str(key)])
+        elif f.message_type is not None:
+            subs = list(value) if f.label == FieldDescriptor.LABEL_REPEATED else [value]
+            targets = doc[f.name] if f.label == FieldDescriptor.LABEL_REPEATED else [doc[f.name]]
+            for sub, target in zip(subs, targets, strict=True):
+                _numbers(sub, target)
+        elif f.type in _INT64_TYPES:
+            doc[f.name] = [int(v) for v in doc[f.name]] if isinstance(doc[f.name], list) else int(doc[f.name])
+    return doc
+
+
+def message_json(message: Message) -> Any:
+    """A protocol message as Triton's REST API writes it: field names as in the .proto, every field
+    present (zeros too), enums by name, 64-bit integers as numbers."""
+    doc = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _numbers(message, doc)

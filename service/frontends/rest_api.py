@@ -37,6 +37,7 @@ from service.frontends.completions_api import CompletionsApi
 from service.frontends.messages import (
     config_message,
     index_message,
+    message_json,
     metadata_message,
     server_metadata_message,
     statistics_message,
@@ -45,7 +46,6 @@ from service.frontends.peers import peer_uid
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
-    message_json,
     parameters,
     parse_infer,
     parse_json,

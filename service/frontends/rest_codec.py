@@ -10,9 +10,9 @@ gRPC client's. Answers go back as JSON `data`, or as raw bytes after the header 
 binary. No protobuf message is built on the way: the inference path is numpy and JSON only.
 
 The control endpoints (metadata, configuration, statistics, the repository index) answer with JSON of the
-protocol's messages (`message_json`), as Triton's REST API does: building the message (service/frontends/
-messages.py) and writing it as proto3 JSON is the shortest way to Triton's exact field names, defaults and enum
-names, and those answers are off the inference path.
+protocol's messages, as Triton's REST API does (service/frontends/messages.py, `message_json`): building the
+message and writing it as proto3 JSON is the shortest way to Triton's exact field names, defaults and enum
+names, and those answers are off the inference path. This module imports no protobuf (a contract says so).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from service.datatypes import (
     MAX_DIMS,
@@ -46,7 +43,6 @@ __all__ = [
     "MAX_JSON_BYTES",
     "InferBody",
     "encode_infer",
-    "message_json",
     "output_text",
     "parameters",
     "parse_infer",
@@ -60,13 +56,6 @@ BINARY_SIZE = "binary_data_size"
 # What a lone surrogate looks like in JSON: an escape \uD800-\uDFFF, or its UTF-8 form, which json.loads
 # lets through too. A body without one is not walked.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_INT64_TYPES = {
-    FieldDescriptor.TYPE_INT64,
-    FieldDescriptor.TYPE_UINT64,
-    FieldDescriptor.TYPE_SINT64,
-    FieldDescriptor.TYPE_FIXED64,
-    FieldDescriptor.TYPE_SFIXED64,
-}
 
 
 @dataclass
@@ -391,36 +380,3 @@ def encode_infer(
     if not binary:
         return header, None
     return b"".join([header, *binary]), len(header)
-
-
-def _numbers(message: Message, doc: Any) -> Any:
-    """Undo proto3 JSON's strings for 64-bit integers: Triton's REST answers carry numbers, and
-    perf_analyzer and tritonclient read them as numbers."""
-    if not isinstance(doc, dict):
-        return doc
-    for f in message.DESCRIPTOR.fields:
-        if f.name not in doc:
-            continue
-        value = getattr(message, f.name)
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            entry = f.message_type.fields_by_name["value"]
-            if entry.message_type is not None:
-                for key, sub in value.items():
-                    _numbers(sub, doc[f.name][str(key)])
-        elif f.message_type is not None:
-            subs = list(value) if f.label == FieldDescriptor.LABEL_REPEATED else [value]
-            targets = doc[f.name] if f.label == FieldDescriptor.LABEL_REPEATED else [doc[f.name]]
-            for sub, target in zip(subs, targets, strict=True):
-                _numbers(sub, target)
-        elif f.type in _INT64_TYPES:
-            doc[f.name] = [int(v) for v in doc[f.name]] if isinstance(doc[f.name], list) else int(doc[f.name])
-    return doc
-
-
-def message_json(message: Message) -> Any:
-    """A protocol message as Triton's REST API writes it: field names as in the .proto, every field
-    present (zeros too), enums by name, 64-bit integers as numbers."""
-    doc = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return _numbers(message, doc)
