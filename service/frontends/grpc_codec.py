@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from service import protocol
 from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
 from service.errors import InvalidArgument, quote
 from service.frontends.codec import check_element_bytes, output_bytes, raw_array
@@ -56,7 +57,7 @@ class MessageSource:
     out of the message, asked for only once the shape passed its limits). `refused`: why its raw contents
     cannot be matched to it (the message's counts disagree)."""
 
-    tensor: Any  # protocol.InferInputTensor
+    tensor: protocol.ModelInferRequest.InferInputTensor
     raw: Callable[[], bytes] | None
     refused: str = ""
 
@@ -75,7 +76,12 @@ class MessageSource:
 
 
 def _contents_array(
-    tensor: Any, name: str, datatype: str, shape: tuple[int, ...], count: int, limits: InputLimits
+    tensor: protocol.ModelInferRequest.InferInputTensor,
+    name: str,
+    datatype: str,
+    shape: tuple[int, ...],
+    count: int,
+    limits: InputLimits,
 ) -> np.ndarray:
     """An InferInputTensor's typed contents -> an array of its checked `shape`."""
     field = CONTENTS_FIELD.get(datatype)
@@ -103,14 +109,14 @@ def _contents_array(
     return _typed(values, dtype, count).reshape(shape)
 
 
-def fill_output(tensor: Any, array: np.ndarray) -> bytes:
+def fill_output(tensor: protocol.ModelInferResponse.InferOutputTensor, array: np.ndarray) -> bytes:
     """Set name-independent metadata of an output tensor; return its raw little-endian bytes."""
     tensor.datatype = datatype_of(array)
     tensor.shape.extend(array.shape)
     return output_bytes(array)
 
 
-def set_parameters(target: Any, params: Mapping[str, Parameter]) -> None:
+def set_parameters(target: Mapping[str, protocol.InferParameter], params: Mapping[str, Parameter]) -> None:
     """Plain parameter values into a message's map of InferParameter, each in the field its type says."""
     for key, value in params.items():
         if isinstance(value, bool):
@@ -123,7 +129,9 @@ def set_parameters(target: Any, params: Mapping[str, Parameter]) -> None:
             target[key].string_param = value
 
 
-def place_output(memory: RequestMemory | None, tensor: Any, array: np.ndarray) -> bytes:
+def place_output(
+    memory: RequestMemory | None, tensor: protocol.ModelInferResponse.InferOutputTensor, array: np.ndarray
+) -> bytes:
     """An output's metadata on `tensor`, and its raw contents for the answer: b"" for one written into its shared
     memory region, whose parameters then say where (every output keeps its entry in raw_output_contents, as
     Triton's do)."""

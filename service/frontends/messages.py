@@ -4,7 +4,7 @@ Triton's REST API does, as JSON of the same messages (`message_json`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -15,6 +15,7 @@ from service import protocol
 from service.callers import Caller
 from service.models.catalog import BATCHING_SHOWN, ServedVersion, ShowsParameters, TunesBatching, capability
 from service.models.response_cache import ResponseCache
+from service.models.runtime import TensorSpec
 from service.serving.dataplane import ServerInfo
 from service.serving.registry import VersionState
 
@@ -36,14 +37,14 @@ _INT64_TYPES = {
 }
 
 
-def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> Any:
+def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> protocol.ServerMetadataResponse:
     """The server's name, version and extensions (`more`: those of the front ends, e.g. shared memory)."""
     extensions = [*info.extensions, *more]
     return protocol.ServerMetadataResponse(name=info.name, version=info.version, extensions=extensions)
 
 
-def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> Any:
-    tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
+def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> protocol.ModelMetadataResponse:
+    tensor = protocol.ModelMetadataResponse.TensorMetadata
     return protocol.ModelMetadataResponse(
         name=model.name,
         versions=[v.version for v in versions],
@@ -53,12 +54,12 @@ def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) ->
     )
 
 
-def _triton_dims(shape: Any, batched: bool) -> list[int]:
+def _triton_dims(shape: Sequence[int], batched: bool) -> list[int]:
     """A shape as Triton's ModelConfig writes it: without the batch axis when there is one."""
     return list(shape[1:]) or [1] if batched else list(shape)
 
 
-def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+def _model_input(spec: TensorSpec, data_type: int, batched: bool, declared: dict[str, Any]) -> protocol.ModelInput:
     """An input as Triton's ModelConfig shows it, with config.json's format and reshape."""
     i = protocol.ModelInput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
     if "format" in declared:
@@ -69,7 +70,7 @@ def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, A
     return i
 
 
-def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+def _model_output(spec: TensorSpec, data_type: int, batched: bool, declared: dict[str, Any]) -> protocol.ModelOutput:
     """An output as Triton's ModelConfig shows it, with config.json's reshape and labels file."""
     o = protocol.ModelOutput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
     if "reshape" in declared:
@@ -79,7 +80,7 @@ def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, 
     return o
 
 
-def config_message(m: ServedVersion) -> Any:
+def config_message(m: ServedVersion) -> protocol.ModelConfigResponse:
     """Triton's ModelConfig of a version: its tensors, instances and batching, and qkv's own parameters."""
     if m.config.triton is not None:
         return protocol.ModelConfigResponse(config=triton_config_message(m))
@@ -131,7 +132,7 @@ def config_message(m: ServedVersion) -> Any:
     return protocol.ModelConfigResponse(config=config)
 
 
-def triton_config_message(m: ServedVersion) -> Any:
+def triton_config_message(m: ServedVersion) -> protocol.ModelConfig:
     """A version read from a Triton config: the file's config as it is, plus the fields Triton's own
     auto-complete fills where the file left them out (inputs and outputs from the graph, max_batch_size,
     platform and backend, one instance group, the default model file name)."""
@@ -166,13 +167,13 @@ def triton_config_message(m: ServedVersion) -> Any:
     return config
 
 
-def _duration(count: int, ns: int) -> Any:
+def _duration(count: int, ns: int) -> protocol.StatisticDuration:
     return protocol.StatisticDuration(count=count, ns=ns)
 
 
 def statistics_message(
     models: Iterable[ServedVersion], cache: ResponseCache[Any] | None = None, caller: Caller | None = None
-) -> Any:
+) -> protocol.ModelStatisticsResponse:
     """Triton's ModelStatistics of `models`, with the response cache's hits and misses for those that use it:
     with isolated tokens, those of the `caller`'s own requests alone."""
     response = protocol.ModelStatisticsResponse()
@@ -202,7 +203,7 @@ def statistics_message(
     return response
 
 
-def index_message(rows: Iterable[VersionState]) -> Any:
+def index_message(rows: Iterable[VersionState]) -> protocol.RepositoryIndexResponse:
     response = protocol.RepositoryIndexResponse()
     for row in rows:
         response.models.add(name=row.name, version=row.version, state=row.state, reason=row.reason)

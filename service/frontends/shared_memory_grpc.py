@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from grpc.aio import ServicerContext as Context
 
 from service import protocol
 from service.errors import ServingError
@@ -45,21 +46,27 @@ class SharedMemoryService:
         as where the kernel has no sock_diag it is looked for in /proc/net/tcp, 10-20 ms."""
         return await asyncio.to_thread(grpc_peer_uid, context.peer(), self.address())
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryStatus(
+        self, request: protocol.SystemSharedMemoryStatusRequest, context: Context
+    ) -> protocol.SystemSharedMemoryStatusResponse:
         response = protocol.SystemSharedMemoryStatusResponse()
         caller = self.tokens.caller_of(context.invocation_metadata())
         for s in await self._call(context, self.regions.status, request.name, caller):
             response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
         return response
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryRegister(
+        self, request: protocol.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> protocol.SystemSharedMemoryRegisterResponse:
         await self._call(context, self._may_change, context, "registering shared memory")
         where = (request.name, request.key, request.offset, request.byte_size)
         uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
         await self._call(context, self.regions.register, *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryUnregister(
+        self, request: protocol.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> protocol.SystemSharedMemoryUnregisterResponse:
         await self._call(context, self._may_change, context, "unregistering shared memory")
         caller = self.tokens.caller_of(context.invocation_metadata())
         await self._call(context, self.regions.unregister, request.name, caller)

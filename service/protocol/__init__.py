@@ -54,6 +54,7 @@ __all__ = [
     "ModelParameter",
     "ModelReadyRequest",
     "ModelReadyResponse",
+    "ModelRepositoryParameter",
     "ModelStatistics",
     "ModelStatisticsRequest",
     "ModelStatisticsResponse",
@@ -146,6 +147,7 @@ if TYPE_CHECKING:
         ModelParameter,
         ModelReadyRequest,
         ModelReadyResponse,
+        ModelRepositoryParameter,
         ModelStatistics,
         ModelStatisticsRequest,
         ModelStatisticsResponse,
@@ -209,6 +211,7 @@ else:
     # Triton extension: model repository
     RepositoryIndexRequest = message_class("RepositoryIndexRequest")
     RepositoryIndexResponse = message_class("RepositoryIndexResponse")
+    ModelRepositoryParameter = message_class("ModelRepositoryParameter")
     RepositoryModelLoadRequest = message_class("RepositoryModelLoadRequest")
     RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
     RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
