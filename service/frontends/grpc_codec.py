@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from service import protocol
 from service.datatypes import NUMPY_DTYPES, InputLimits, datatype_of
@@ -41,7 +41,7 @@ _NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np
 CONTENTS_SLICE = 1 << 16
 
 
-def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
+def _typed(values: Sequence[bool | int | float], dtype: DTypeLike, count: int) -> np.ndarray:
     """A repeated protobuf field of numbers -> a 1-d array, CONTENTS_SLICE values at a time."""
     if count <= CONTENTS_SLICE:
         return np.asarray(values, dtype=dtype)

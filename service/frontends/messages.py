@@ -9,7 +9,6 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from service import protocol
 from service.callers import Caller
@@ -210,7 +209,7 @@ def index_message(rows: Iterable[VersionState]) -> protocol.RepositoryIndexRespo
     return response
 
 
-def _numbers(message: Message, doc: Any) -> Any:
+def _numbers(message: protocol.Message, doc: Any) -> Any:
     """Undo proto3 JSON's strings for 64-bit integers: Triton's REST answers carry numbers, and
     perf_analyzer and tritonclient read them as numbers."""
     if not isinstance(doc, dict):
@@ -234,7 +233,7 @@ def _numbers(message: Message, doc: Any) -> Any:
     return doc
 
 
-def message_json(message: Message) -> Any:
+def message_json(message: protocol.Message) -> Any:
     """A protocol message as Triton's REST API writes it: field names as in the .proto, every field
     present (zeros too), enums by name, 64-bit integers as numbers."""
     doc = json_format.MessageToDict(

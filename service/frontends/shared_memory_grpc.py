@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc.aio import ServicerContext as Context
@@ -17,6 +17,8 @@ from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 
 __all__ = ["SharedMemoryService"]
+
+T = TypeVar("T")
 
 
 class SharedMemoryService:
@@ -35,11 +37,12 @@ class SharedMemoryService:
             host, authorization if isinstance(authorization, str) else None, self.tokens, what
         )
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, context: Context, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
+            raise AssertionError("abort raises") from e  # grpc's abort raises, untyped
 
     async def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
         """The local user of the peer, when it is one of this host's (service/frontends/peers.py): on a thread,
@@ -72,13 +75,16 @@ class SharedMemoryService:
         await self._call(context, self.regions.unregister, request.name, caller)
         return protocol.SystemSharedMemoryUnregisterResponse()
 
-    async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _no_cuda(self, request: protocol.Message, context: Context) -> NoReturn:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, shared_memory.CUDA_UNIMPLEMENTED)
+        raise AssertionError("abort raises")
 
     CudaSharedMemoryStatus = CudaSharedMemoryRegister = _no_cuda
 
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def CudaSharedMemoryUnregister(
+        self, request: protocol.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> protocol.CudaSharedMemoryUnregisterResponse:
         # Every region (no name): there is none, so done; Triton's examples begin so.
         if request.name:
             await self._no_cuda(request, context)
-        return protocol.message_class("CudaSharedMemoryUnregisterResponse")()
+        return protocol.CudaSharedMemoryUnregisterResponse()

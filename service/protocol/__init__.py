@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, MethodDescriptor, ServiceDescriptor
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -35,11 +35,14 @@ __all__ = [
     "POOL",
     "SERVICE",
     "SERVICE_NAME",
+    "CudaSharedMemoryUnregisterRequest",
+    "CudaSharedMemoryUnregisterResponse",
     "DataType",
     "InferBatchStatistics",
     "InferParameter",
     "InferStatistics",
     "InferTensorContents",
+    "Message",
     "ModelConfig",
     "ModelConfigRequest",
     "ModelConfigResponse",
@@ -129,6 +132,8 @@ def message_class(name: str) -> type[Message]:
 # proto/stubs.py writes from the same descriptor set (tests/protocol keeps it up to date).
 if TYPE_CHECKING:
     from service.protocol._messages import (
+        CudaSharedMemoryUnregisterRequest,
+        CudaSharedMemoryUnregisterResponse,
         InferBatchStatistics,
         InferParameter,
         InferStatistics,
@@ -174,7 +179,10 @@ if TYPE_CHECKING:
         SystemSharedMemoryUnregisterRequest,
         SystemSharedMemoryUnregisterResponse,
     )
+    from service.protocol._messages import _Message as Message
 else:
+    from google.protobuf.message import Message  # every message class's base
+
     # Health and metadata
     ServerLiveRequest = message_class("ServerLiveRequest")
     ServerLiveResponse = message_class("ServerLiveResponse")
@@ -216,7 +224,9 @@ else:
     RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
     RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
     RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
-    # Triton extension: system shared memory (CUDA shared memory's messages: message_class, by name)
+    # Triton extension: system shared memory (CUDA shared memory's others: message_class, by name)
+    CudaSharedMemoryUnregisterRequest = message_class("CudaSharedMemoryUnregisterRequest")
+    CudaSharedMemoryUnregisterResponse = message_class("CudaSharedMemoryUnregisterResponse")
     SystemSharedMemoryStatusRequest = message_class("SystemSharedMemoryStatusRequest")
     SystemSharedMemoryStatusResponse = message_class("SystemSharedMemoryStatusResponse")
     SystemSharedMemoryRegisterRequest = message_class("SystemSharedMemoryRegisterRequest")
