@@ -4,7 +4,7 @@
 A region is a slice [offset, offset + byte_size) of a POSIX shared memory object, /dev/shm/KEY on the
 server's host, registered under a name. An input tensor whose parameters name a region
 (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`) is read from it instead of
-from the message; a requested output that names one is written into it, and the answer carries the
+from the request; a requested output that names one is written into it, and the answer carries the
 output's metadata only (docs/design.md, "System shared memory").
 
 The server keeps each object's file descriptor open and reads and writes it with pread/pwrite, never
@@ -16,7 +16,8 @@ Each request leases the regions its tensors name, from before its inputs are dec
 written. Unregistering takes a region out of the table at once (new requests get NOT_FOUND); its
 descriptor closes when the last lease ends, so a request in flight never reads or writes another object.
 Regions still leased count against the limits until then. Everything here runs on the event loop, except
-`RequestMemory`'s reads, which a worker thread may do while the request holds its leases.
+an input's read (`RegionSource`, a `TensorSource` the data plane reads, on a worker thread for a large
+request) while the request holds its leases.
 
 The server may open more than its clients may (it often runs as root), so it never acts on an object for a
 client beyond that client's own rights: the front end finds the peer's uid (service/frontends/peers.py);
