@@ -63,6 +63,12 @@ ROUNDS = 3  # served runs at each concurrency, each between two in-process runs
 CONCURRENCY = (1, 32)
 MAX_TOKENS = 256  # every text is cut at this many tokens beforehand
 ROOT = Path(__file__).resolve().parents[3]
+# `text_c1_bench`'s runs: name -> what the table calls it
+C1_RUNS = {
+    "grpc": "qkv, v2 gRPC, text in, c1 (grpc.aio client, as the full run's c1)",
+    "grpc_sync": "qkv, v2 gRPC, text in, c1 (synchronous client, as tritonclient.grpc)",
+    "http": "qkv, OpenAI HTTP /v1/embeddings, c1",
+}
 # The server's own account of a request at c1 (`text_c1_bench`): histogram -> what it times
 STAGES = {
     "qkv_tokenize_duration_seconds": "tokenizing",
@@ -441,11 +447,36 @@ def _stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tup
     }
 
 
+def _sync_loop(url: str, request: Any, seconds: float) -> loadgen.Run:
+    """One request at a time from a synchronous stub, as tritonclient.grpc's client sends them (no asyncio:
+    none of grpc.aio's hand-offs between its poller thread and an event loop on the client's side)."""
+    import grpc
+
+    run = loadgen.Run()
+    cpu0, t0 = loadgen.own_cpu(), time.perf_counter()
+    with grpc.insecure_channel(url) as channel:
+        stub = protocol.Stub(channel)
+        stub.ModelInfer(request, timeout=30)  # connected before the first sample
+        while True:  # one request at least, as loadgen's closed loop
+            s0 = time.perf_counter()
+            try:
+                stub.ModelInfer(request, timeout=30)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            run.samples.append(loadgen.Sample(0, time.perf_counter() - s0, code))
+            if time.perf_counter() >= t0 + seconds:
+                break
+    run.wall, run.client_cpu = time.perf_counter() - t0, loadgen.own_cpu() - cpu0
+    return run
+
+
 def text_c1_bench(folder: Path, out: Path, seconds: float = 8.0) -> dict[str, Any]:
     """Concurrency 1 alone (`qkv bench --text-model DIR --text-c1`): ROUNDS rounds, each a 20-word text over
-    v2 gRPC and over /v1/embeddings, each run between two in-process single calls and compared with their
-    mean; beside each run, the server's own mean time a request spent tokenizing, queued, computing and in
-    the server, from its metrics, so that the time outside the server (client, transport) shows."""
+    v2 gRPC (from grpc.aio's client, as the full run, and from a synchronous one) and over /v1/embeddings,
+    each run between two in-process single calls and compared with their mean; beside each run, the server's
+    own mean time a request spent tokenizing, queued, computing and in the server, from its metrics, so that
+    the time outside the server (client, transport) shows."""
     texts = cut_texts(mixed_texts(), _tokenizer(folder, None), MAX_TOKENS)
     single = " ".join(texts[0].split()[:20])
     ceiling = Ceiling(folder, MAX_TOKENS)
@@ -460,6 +491,7 @@ def text_c1_bench(folder: Path, out: Path, seconds: float = 8.0) -> dict[str, An
             body = {"model": "text", "input": single}
             runs: dict[str, Callable[[], loadgen.Run]] = {
                 "grpc": lambda: run_closed(server.url, lambda i: (_request(single, "text"), 20, ""), 1, seconds, "c1"),
+                "grpc_sync": lambda: _sync_loop(server.url, _request(single, "text"), seconds),
                 "http": lambda: http_closed_loop(server.http_url, "/v1/embeddings", lambda i: body, 1, seconds),
             }
             for _ in range(ROUNDS):
@@ -483,16 +515,16 @@ def text_c1_bench(folder: Path, out: Path, seconds: float = 8.0) -> dict[str, An
 def text_c1_table(r: dict[str, Any]) -> str:
     median = statistics.median
     rows = ["| what | p50 ms | p99 ms | p50 / in-process, each round |", "|---|---|---|---|"]
-    single = median(x["in_process_ms"] for name in ("grpc", "http") for x in r[name])
+    single = median(x["in_process_ms"] for name in C1_RUNS for x in r[name])
     rows.append(f"| in-process single call ({r['single_tokens']} tokens), beside each run | {single:.2f} | | |")
-    for name, what in (("grpc", "qkv, v2 gRPC, text in, c1"), ("http", "qkv, OpenAI HTTP /v1/embeddings, c1")):
+    for name, what in C1_RUNS.items():
         ratios = ", ".join(f"{x['p50_ms'] / x['in_process_ms']:.2f}" for x in r[name])
         rows.append(f"| {what} | {median(x['p50_ms'] for x in r[name]):.2f} | "
                     f"{median(x['p99_ms'] for x in r[name]):.2f} | {ratios} |")  # fmt: skip
     rows += ["", "| the server's mean, ms | " + " | ".join(STAGES.values()) + " |", "|---|" + "---|" * len(STAGES)]
-    for name in ("grpc", "http"):
+    for name in C1_RUNS:
         cells = " | ".join(f"{median(x['server_ms'][stage] for x in r[name]):.2f}" for stage in STAGES)
         rows.append(f"| {name} | {cells} |")
-    said = [f"\nc1 p50 / in-process single call: gRPC {r['grpc_p50_over_single']:.2f}, "
-            f"HTTP {r['http_p50_over_single']:.2f}"]  # fmt: skip
+    said = [f"\nc1 p50 / in-process single call: gRPC {r['grpc_p50_over_single']:.2f} (sync client "
+            f"{r['grpc_sync_p50_over_single']:.2f}), HTTP {r['http_p50_over_single']:.2f}"]  # fmt: skip
     return "\n".join(rows + said + r.get("log", []))
