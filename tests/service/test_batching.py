@@ -234,11 +234,18 @@ def test_a_request_at_an_idle_batcher_starts_on_arrival_and_one_behind_a_busy_in
     async def run() -> None:
         model = Doubler()  # the first batch holds until the gate opens
         b = DynamicBatcher("m", BatchingConfig(max_queue_delay_ms=50.0), model, instances=1)
+        asked: list[list[int]] = []
+
+        def select(queue: Any, *bounds: Any) -> list[int]:
+            asked.append([x.payload for x in queue])
+            return select_batch(queue, *bounds)
+
+        b.select = select  # the choice is still the batcher's (a Triton priority or preferred-size chooser)
         b.start()
         await asyncio.sleep(0)  # the dispatcher is waiting for work
         first = asyncio.ensure_future(b.submit(_item(1)))
-        await asyncio.sleep(0)  # one step of the request: admitted and started, nothing queued
-        assert b.started_at_once == 1 and not b.queue and not b._idle
+        await asyncio.sleep(0)  # one step of the request: chosen alone, started, nothing queued
+        assert b.started_at_once == 1 and not b.queue and not b._idle and asked == [[1]]
         second = asyncio.ensure_future(b.submit(_item(2)))
         await asyncio.sleep(0)
         assert b.started_at_once == 1 and [x.payload for x in b.queue] == [2], "behind a busy instance: queued"
