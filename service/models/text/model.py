@@ -49,10 +49,10 @@ __all__ = ["TextModel", "build_text_model"]
 
 log = logging.getLogger("qkv.models")
 
-# A request with more text than this is tokenized on a worker thread, in one batch call over the tokenizer's
-# threads; a smaller one costs less than either hop and is tokenized text by text on the event loop (the
-# tokenizer reads a 20-word text in some 20 us; as a batch call, which hands it to the tokenizer's threads and
-# waits for them, it took some 15 % longer and more CPU, on a loaded machine).
+# A request with more text than this is tokenized on a worker thread; a smaller one costs less than the hop
+# (the tokenizer reads a 20-word text in some 20 us) and is tokenized on the event loop: several texts in one
+# batch call over the tokenizer's threads, a single one by itself (as a batch call, which hands it to those
+# threads and waits for them, one 20-word text took some 15 % longer and more CPU, on a loaded machine).
 THREAD_TEXT_BYTES = 1 << 12
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EMBEDDING_OUTPUTS = ("token_embeddings", "last_hidden_state")
@@ -314,7 +314,7 @@ class TextModel:
         if size > THREAD_TEXT_BYTES:
             encodings = await asyncio.to_thread(encode, texts)
         else:
-            encodings = encode(texts, parallel=False)
+            encodings = encode(texts, parallel=len(texts) > 1)
         return [fitting(i, *from_encoding(e)) for i, e in enumerate(encodings)]
 
     def _prompt(self, params: dict[str, Any]) -> str:
