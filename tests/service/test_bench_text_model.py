@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.tools.bench.text_models import (
-    STAGES,
-    _stage_means_ms,
-    cut_texts,
-    mixed_texts,
-    text_c1_table,
-    text_model_table,
-)
+from service.tools.bench.text_c1 import STAGES, _stage_means_ms, text_c1_table
+from service.tools.bench.text_models import cut_texts, mixed_texts, text_model_table
 from tests.service.text_models import minilm_source
 
 

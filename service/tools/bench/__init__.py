@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
         print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
         return 0
     if args.text_model and args.text_c1:
-        from service.tools.bench.text_models import text_c1_bench, text_c1_table
+        from service.tools.bench.text_c1 import text_c1_bench, text_c1_table
 
         print(text_c1_table(text_c1_bench(args.text_model, args.out, args.seconds)))
         print(f"wrote {args.out / 'text_c1.json'}")
