@@ -130,6 +130,7 @@ class DynamicBatcher:
         self.cost: CostModel | None = None  # set by `use`: the model's measured cost, kept current
         self.pacing = Pacing(None)  # without a cost model, a partial batch waits whenever company may come
         self.tracer: Tracing | None = None  # set by a server that traces requests
+        self.started_at_once = 0  # requests started on arrival, the batcher idle (`_at_once`), never queued
 
     def handoff_seconds(self) -> float:
         """What handing a request to an instance's thread and back costs here."""
@@ -178,14 +179,32 @@ class DynamicBatcher:
         self.pacing.arrived(item.arrived, busy, last_idle())
         if self._inline(item):
             return self._run_inline(item)
-        self.queue.append(item)
-        self.observer.queue_depth(len(self.queue))
-        self._changed.set()
+        if self._at_once(item):
+            self.admission.release(item.tokens)
+            if not _refuse_if_gone(item, time.monotonic(), self.observer):
+                self.started_at_once += 1
+                self._start([item])
+        else:
+            self.queue.append(item)
+            self.observer.queue_depth(len(self.queue))
+            self._changed.set()
         try:
             return await item.future
         except asyncio.CancelledError:
             self._withdraw(item)
             raise
+
+    def _at_once(self, item: WorkItem) -> bool:
+        """Whether `item`, arriving now, starts here without passing through the queue: nothing queued and every
+        instance idle, where the dispatcher would choose it alone with no wait (`_ready`); handing it there
+        would cost the dispatcher's wake-up, a turn of the event loop."""
+        running = self._dispatcher is not None and not self._dispatcher.done()
+        if not (running and not self.queue and len(self._idle) == self.instances):
+            return False
+        try:
+            return self._choose([item]) == [0]
+        except Exception:  # queued, the dispatcher's choice fails the same: its supervision answers the request
+            return False
 
     def _inline(self, item: WorkItem) -> bool:
         """A small request on an idle server, while requests come one at a time, runs on this thread:
@@ -284,15 +303,22 @@ class DynamicBatcher:
             if wait > 0:
                 await self._wait(wait)
                 continue
-            c = self.config
-            max_rows = c.max_batch_size if c.enabled else self.queue[0].rows
-            # padding "unsafe": no padding at all, so only requests of the oldest's length go with it
-            aware, padding = (True, 0.0) if c.padding == "unsafe" else (c.length_aware, c.max_padding)
-            items = self._take(self.select(self.queue, max_rows, c.token_budget, aware, padding))
-            alone = self._alone(items)
-            task = asyncio.create_task(self._run(items, self._idle.pop(), alone))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._start(self._take(self._choose(self.queue)))
+
+    def _choose(self, queue: list[WorkItem]) -> list[int]:
+        """The next batch from `queue` (indices), as the settings and `select` choose it."""
+        c = self.config
+        max_rows = c.max_batch_size if c.enabled else queue[0].rows
+        # padding "unsafe": no padding at all, so only requests of the oldest's length go with it
+        aware, padding = (True, 0.0) if c.padding == "unsafe" else (c.length_aware, c.max_padding)
+        return self.select(queue, max_rows, c.token_budget, aware, padding)
+
+    def _start(self, items: list[WorkItem]) -> None:
+        """`items`, taken from the queue (or never queued), started on the idle instance on top."""
+        alone = self._alone(items)
+        task = asyncio.create_task(self._run(items, self._idle.pop(), alone))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _run(self, items: list[WorkItem], instance: int, alone: bool = False) -> None:
         """One batch on `instance`'s thread (as LONE when `alone`); whatever goes wrong, each of its requests is

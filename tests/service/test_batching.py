@@ -227,6 +227,40 @@ def test_at_low_load_the_warm_instance_does_the_work() -> None:
     asyncio.run(run())
 
 
+def test_a_request_at_an_idle_batcher_starts_on_arrival_and_one_behind_a_busy_instance_is_queued() -> None:
+    """At an idle batcher the dispatcher would take a request alone with no wait: it is started where it
+    arrives, never queued, so a lone request costs no turn of the event loop for the dispatcher to wake."""
+
+    async def run() -> None:
+        model = Doubler()  # the first batch holds until the gate opens
+        b = DynamicBatcher("m", BatchingConfig(max_queue_delay_ms=50.0), model, instances=1)
+        asked: list[list[int]] = []
+
+        def select(queue: Any, *bounds: Any) -> list[int]:
+            asked.append([x.payload for x in queue])
+            return select_batch(queue, *bounds)
+
+        b.select = select  # the choice is still the batcher's (a Triton priority or preferred-size chooser)
+        b.start()
+        await asyncio.sleep(0)  # the dispatcher is waiting for work
+        first = asyncio.ensure_future(b.submit(_item(1)))
+        await asyncio.sleep(0)  # one step of the request: chosen alone, started, nothing queued
+        assert b.started_at_once == 1 and not b.queue and not b._idle and asked == [[1]]
+        second = asyncio.ensure_future(b.submit(_item(2)))
+        await asyncio.sleep(0)
+        assert b.started_at_once == 1 and [x.payload for x in b.queue] == [2], "behind a busy instance: queued"
+        model.gate.set()
+        assert [await first, await second] == [2, 4]
+        with pytest.raises(DeadlineExceeded):  # gone on arrival: refused, never computed
+            await b.submit(_item(3, deadline=time.monotonic() - 1))
+        assert await b.submit(_item(4)) == 8
+        assert b.started_at_once == 2 and model.computed == [1, 2, 4]
+        assert b.admission.queued_requests == 0 and b.admission.queued_tokens == 0, "nothing left counted as queued"
+        await b.close()
+
+    asyncio.run(run())
+
+
 def test_a_small_request_on_an_idle_server_runs_inline_and_a_failure_stays_its_own() -> None:
     async def run() -> None:
         model, seen = Doubler(hold_first=False), Recorder()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from service.tools.bench.text_c1 import STAGES, _stage_means_ms, text_c1_table
 from service.tools.bench.text_models import cut_texts, mixed_texts, text_model_table
 from tests.service.text_models import minilm_source
 
@@ -57,6 +58,30 @@ def test_the_table_gives_each_ratio_against_the_runs_beside_it() -> None:
     skipped = {**result, "infinity": {"skipped": "its engine failed"}}
     del skipped["http_c32_over_infinity"]
     assert "infinity-emb not measured: its engine failed" in text_model_table(skipped)
+
+
+def test_the_c1_table_gives_each_round_s_ratio_and_the_server_s_own_account() -> None:
+    before = dict.fromkeys(STAGES, (1.0, 10.0))
+    after = {stage: (1.0 + 0.002 * (k + 1) * 100, 110.0) for k, stage in enumerate(STAGES)}
+    means = _stage_means_ms(before, after)  # 100 requests more: each stage's mean of them alone
+    assert [round(m, 6) for m in means.values()] == [2.0, 4.0, 6.0, 8.0]
+    runs = [{"p50_ms": p, "p99_ms": 2 * p, "in_process_ms": 8.0, "server_ms": means} for p in (10.0, 12.0, 9.0)]
+    http = [*runs[:2], {**runs[2], "p50_ms": 16.0}]
+    result = {"single_tokens": 34, "grpc": runs, "grpc_sync": runs[:1] * 3, "http": http,
+              "grpc_p50_over_single": 1.25, "grpc_sync_p50_over_single": 1.25, "http_p50_over_single": 1.5,
+              "log": ["the server's choices"]}  # fmt: skip
+    table = text_c1_table(result)
+    assert "| in-process single call (34 tokens), beside each run | 8.00 | | |" in table
+    assert (
+        "| qkv, v2 gRPC, text in, c1 (grpc.aio client, as the full run's c1) | 10.00 | 20.00 | 1.25, 1.50, 1.12 |"
+        in table
+    )
+    assert "(synchronous client, as tritonclient.grpc) | 10.00 | 20.00 | 1.25, 1.25, 1.25 |" in table
+    assert "| qkv, OpenAI HTTP /v1/embeddings, c1 | 12.00 | 20.00 | 1.25, 1.50, 2.00 |" in table
+    assert "| grpc | 2.00 | 4.00 | 6.00 | 8.00 |" in table
+    assert "c1 p50 / in-process single call: gRPC 1.25 (sync client 1.25), HTTP 1.50" in table and table.endswith(
+        "the server's choices"
+    )
 
 
 def test_infinity_emb_gets_its_own_environment_at_the_repository_s_pins() -> None:

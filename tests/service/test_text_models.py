@@ -119,6 +119,20 @@ def test_float_and_base64_agree_and_dimensions_truncate_then_renormalize(client:
     assert cosines(vectors, full).min() >= 0.9999
 
 
+def test_json_floats_are_the_float32_v2_answers_exactly(server: RunningServer, client: Any) -> None:
+    import tritonclient.grpc as g
+
+    texts = ["the cat sat on the mat", "json writes nine digits of each float"]
+    openai = np.array([d.embedding for d in client.embeddings.create(model="minilm", input=texts).data], np.float32)
+    status, tei = post(server, "/embed", {"inputs": texts})
+    with g.InferenceServerClient(server.url) as c:
+        text = g.InferInput("TEXT", [2], "BYTES")
+        text.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        v2 = c.infer("minilm", [text], outputs=[g.InferRequestedOutput("EMBEDDING")]).as_numpy("EMBEDDING")
+    assert status == 200
+    assert np.array_equal(openai, v2) and np.array_equal(np.array(tei, np.float32), v2)
+
+
 def test_token_lists_are_embedded_as_given(server: RunningServer, client: Any, folder: Path) -> None:
     tokenizer = plain_tokenizer(folder)
     texts = ["hello world", "a somewhat longer sentence about servers"]

@@ -50,7 +50,9 @@ __all__ = ["TextModel", "build_text_model"]
 log = logging.getLogger("qkv.models")
 
 # A request with more text than this is tokenized on a worker thread; a smaller one costs less than the hop
-# (the tokenizer reads a 20-word text in some 20 us).
+# (the tokenizer reads a 20-word text in some 20 us) and is tokenized on the event loop: several texts in one
+# batch call over the tokenizer's threads, a single one by itself (as a batch call, which hands it to those
+# threads and waits for them, one 20-word text took some 15 % longer and more CPU, on a loaded machine).
 THREAD_TEXT_BYTES = 1 << 12
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EMBEDDING_OUTPUTS = ("token_embeddings", "last_hidden_state")
@@ -303,7 +305,7 @@ class TextModel:
             if "QUERY" not in inputs:
                 raise InvalidArgument(f"model '{self.name}': missing input 'QUERY' (a reranker scores TEXT against it)")
             (query,) = _texts(inputs["QUERY"], "QUERY", 1, s.strip)
-            encode: Callable[[list[str]], list[Encoding]] = partial(self.tokenizer.encode_pairs, query)
+            encode: Callable[..., list[Encoding]] = partial(self.tokenizer.encode_pairs, query)
             size = sum(map(len, texts)) + len(query) * len(texts)
         else:
             prefix = self._prompt(params)
@@ -312,7 +314,7 @@ class TextModel:
         if size > THREAD_TEXT_BYTES:
             encodings = await asyncio.to_thread(encode, texts)
         else:
-            encodings = encode(texts)
+            encodings = encode(texts, parallel=len(texts) > 1)
         return [fitting(i, *from_encoding(e)) for i, e in enumerate(encodings)]
 
     def _prompt(self, params: dict[str, Any]) -> str:
@@ -364,30 +366,43 @@ class TextModel:
                 groups[-1].append(i)
             else:
                 groups.append([i])
-        # A request's groups are queued a few at a time, enough to keep every instance busy: a large request
-        # neither floods the queue ahead of others' (they interleave) nor is refused for its own queued work.
-        window = asyncio.Semaphore(self.encoder.batcher.instances + 1)
-
-        async def queued(group: list[int]) -> np.ndarray:
-            async with window:
-                return await self._group(rows, group, deadline, trace)
-
-        answers = await asyncio.gather(*(queued(g) for g in groups))
+        if len(groups) == 1:  # a short request's one group is awaited here: no task of its own, no window
+            answers = [await self._group(rows, groups[0], deadline, trace)]
+        else:
+            answers = await self._groups(rows, groups, deadline, trace)
         out: list[np.ndarray] = [np.empty(0)] * len(rows)
         for g, values in zip(groups, answers, strict=True):
             for i, v in zip(g, values, strict=True):
                 out[i] = v
         return out
 
+    async def _groups(self, rows: list[Row], groups: list[list[int]], deadline: float | None,
+                      trace: RequestTrace | None) -> list[np.ndarray]:  # fmt: skip
+        """Each group's values. A request's groups are queued a few at a time, enough to keep every instance
+        busy: a large request neither floods the queue ahead of others' (they interleave) nor is refused for its
+        own queued work."""
+        window = asyncio.Semaphore(self.encoder.batcher.instances + 1)
+
+        async def queued(group: list[int]) -> np.ndarray:
+            async with window:
+                return await self._group(rows, group, deadline, trace)
+
+        return list(await asyncio.gather(*(queued(g) for g in groups)))
+
     async def _group(self, rows: list[Row], index: list[int], deadline: float | None,
                      trace: RequestTrace | None) -> np.ndarray:  # fmt: skip
-        longest = max(len(rows[i].ids) for i in index)
-        ids = np.zeros((len(index), longest), dtype=np.int64)
-        mask = np.zeros((len(index), longest), dtype=np.int64)
-        types = np.zeros((len(index), longest), dtype=np.int64)
-        for j, i in enumerate(index):
-            n = len(rows[i].ids)
-            ids[j, :n], mask[j, :n], types[j, :n] = rows[i].ids, 1, rows[i].types
+        if len(index) == 1:  # one row: its own arrays, nothing to pad
+            row = rows[index[0]]
+            ids, types = row.ids[None], row.types[None]
+            mask = np.ones_like(ids)
+        else:
+            longest = max(len(rows[i].ids) for i in index)
+            ids = np.zeros((len(index), longest), dtype=np.int64)
+            mask = np.zeros((len(index), longest), dtype=np.int64)
+            types = np.zeros((len(index), longest), dtype=np.int64)
+            for j, i in enumerate(index):
+                n = len(rows[i].ids)
+                ids[j, :n], mask[j, :n], types[j, :n] = rows[i].ids, 1, rows[i].types
         feeds = {"input_ids": ids, "attention_mask": mask}
         if self.with_types:
             feeds["token_type_ids"] = types

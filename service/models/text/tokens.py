@@ -57,14 +57,19 @@ class TextTokenizer:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, texts: list[str]) -> list[Encoding]:
-        """Each text's encoding, special tokens included, in one batch call (the work spread over threads in
-        the tokenizer's Rust code, the GIL released)."""
+    def encode(self, texts: list[str], parallel: bool = True) -> list[Encoding]:
+        """Each text's encoding, special tokens included: in one batch call (the work spread over the
+        tokenizer's own threads, the GIL released), or text by text on this thread when not `parallel` (for a
+        few short texts, handing them to those threads and waiting for them costs more than the work)."""
+        if not parallel:
+            return [self.tokenizer.encode(t, add_special_tokens=True) for t in texts]
         encodings: list[Encoding] = self.tokenizer.encode_batch(texts, add_special_tokens=True)
         return encodings
 
-    def encode_pairs(self, first: str, seconds: list[str]) -> list[Encoding]:
-        """(first, each of `seconds`) as pairs: a cross-encoder's query and documents."""
+    def encode_pairs(self, first: str, seconds: list[str], parallel: bool = True) -> list[Encoding]:
+        """(first, each of `seconds`) as pairs: a cross-encoder's query and documents (`parallel` as `encode`)."""
+        if not parallel:
+            return [self.tokenizer.encode(first, s, add_special_tokens=True) for s in seconds]
         encodings: list[Encoding] = self.tokenizer.encode_batch([(first, s) for s in seconds], add_special_tokens=True)
         return encodings
 

@@ -88,6 +88,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text-model", type=Path, metavar="DIR", help="a text model's exported folder, served")
     parser.add_argument("--text-source", type=Path, metavar="DIR", help="--text-model: sentence-transformers' folder")
     parser.add_argument(
+        "--text-c1", action="store_true", help="--text-model: concurrency 1 alone, with the server's stages"
+    )
+    parser.add_argument(
         "--generation-model", type=Path, metavar="DIR", help="an exported generation folder: engine vs optimum"
     )
     parser.add_argument("--model-repository", type=Path, help="default: models (a --url run needs none)")
@@ -145,6 +148,12 @@ def main(argv: list[str]) -> int:
 
         print(text_table(text_bench(args.model_repository, args.out, args.seconds, args.text_file)))
         print(f"wrote {args.out / 'text.json'}, {args.out / 'text.md'}")
+        return 0
+    if args.text_model and args.text_c1:
+        from service.tools.bench.text_c1 import text_c1_bench, text_c1_table
+
+        print(text_c1_table(text_c1_bench(args.text_model, args.out, args.seconds)))
+        print(f"wrote {args.out / 'text_c1.json'}")
         return 0
     if args.text_model:
         from service.tools.bench.text_models import text_model_bench, text_model_table
