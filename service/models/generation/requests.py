@@ -12,7 +12,7 @@ from typing import Any
 from service.errors import InvalidArgument
 from service.models.generation.capability import GenerationDefaults, GenerationRequest
 
-__all__ = ["MAX_STOP", "MAX_STOP_CHARS", "check_request", "from_parameters"]
+__all__ = ["MAX_BEAMS", "MAX_STOP", "MAX_STOP_CHARS", "check_request", "from_parameters"]
 
 MAX_STOP = 16  # stop strings (and stop token ids) a request may give
 MAX_STOP_CHARS = 256
