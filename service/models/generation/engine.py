@@ -487,7 +487,8 @@ class Engine:
         """Offer beam row `s`'s log-probs to its search; once every beam's are in, step the search: the next
         beams (fresh rows, each continuing its parent's cache) take the place of these, or the answer goes out."""
         lead, request = s.owner, s.request
-        if lead.search is None:  # the prompt's row: the search starts
+        if lead.search is None:  # the prompt's row: the search starts (its decoding, for time per output token)
+            lead.first = time.monotonic()
             eos = (self.eos if not request.ignore_eos else frozenset()) | frozenset(request.stop_token_ids)
             room = self.max_positions - len(s.prompt) if self.max_positions else request.max_tokens
             lead.search = BeamSearch(request.num_beams, eos, min(request.max_tokens, room), request.length_penalty,
@@ -523,8 +524,7 @@ class Engine:
         assert lead.search is not None
         tokens = lead.search.best()[0].tokens
         lead.output = list(tokens)
-        lead.first = time.monotonic()
-        self.observer.first_token(lead.first - lead.arrived, lead.joined - lead.arrived)
+        self.observer.first_token(time.monotonic() - lead.arrived, lead.joined - lead.arrived)  # the client's
         ended = bool(tokens) and tokens[-1] in lead.search.eos
         text = lead.detokenizer.decode(list(tokens[:-1] if ended else tokens))
         reason: FinishReason = "stop" if ended else "length"
