@@ -178,6 +178,31 @@ def test_a_beam_request_reserves_its_beams_caches_and_a_closed_one_frees_them(re
     assert reserved == 0 and steps < 1000
 
 
+def test_beams_count_as_rows_of_the_running_batch(repo: Path) -> None:
+    model = _model(repo, "gpt2")
+    model.engine.max_running = BEAMS + 1  # a beam request and one greedy row, or a wider search alone
+    seen = _rows_per_step(model)
+    prompt = tuple(model.encode(PROMPTS[3]))
+
+    async def run() -> list[list[GenerationChunk]]:
+        model.start()
+        try:
+            return await asyncio.gather(
+                _collect(model, GenerationRequest(prompt, 12, num_beams=BEAMS, ignore_eos=True)),
+                _collect(model, GenerationRequest(prompt, 12, num_beams=BEAMS, ignore_eos=True)),
+                _collect(model, GenerationRequest(prompt, 12, num_beams=8, ignore_eos=True)),
+                _collect(model, GenerationRequest(prompt, 12, ignore_eos=True)),
+            )
+        finally:
+            await model.close()
+
+    answers = asyncio.run(run())
+    assert [a[-1].completion_tokens for a in answers] == [12] * 4
+    assert answers[0][0].token_ids == answers[1][0].token_ids  # the same search, whichever rows it ran beside
+    assert max(b + o for b, o in seen) == 8  # the 8-beam search ran alone; the others never passed 5 rows
+    assert all(b + o <= BEAMS + 1 for b, o in seen if b != 8)
+
+
 # --- served: a v2 infer (tritonclient) and OpenAI's completions (the openai client) --------------------------
 
 

@@ -285,9 +285,9 @@ class Engine:
                 return  # a few more, and they decode as one group
         while self.waiting:
             s = self.waiting[0]
-            rows = sum(r.rows for r in self.running)
-            if rows + s.rows > self.max_running and (rows >= self.max_running or s.rows > 1):
-                break  # a beam search wider than the whole batch joins an empty one
+            rows = sum(r.rows for r in self.running)  # a beam search's N beams count N
+            if rows and rows + s.rows > self.max_running:
+                break  # (one wider than the whole batch joins an empty one)
             if self.reserved + s.reserved > self.cache_budget and self.running:
                 break
             self.waiting.pop(0)
