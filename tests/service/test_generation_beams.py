@@ -49,10 +49,8 @@ def _reference(architecture: str) -> tuple[Any, Any]:
     return kind.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
-@cache
-def _beams(architecture: str, prompt: str, max_tokens: int = MAX_TOKENS, num_beams: int = BEAMS,
-           length_penalty: float = 1.0, early_stopping: bool | str = False) -> tuple[int, ...]:  # fmt: skip
-    """transformers' beam search: the new tokens of its best hypothesis (EOS included, as generate returns it)."""
+def _generate(architecture: str, prompt: str, max_tokens: int, num_beams: int, **options: Any) -> list[int]:
+    """transformers' generate, greedy (num_beams 1) or beam search: the new tokens, EOS included."""
     import torch
 
     hf, tokenizer = _reference(architecture)
@@ -62,11 +60,19 @@ def _beams(architecture: str, prompt: str, max_tokens: int = MAX_TOKENS, num_bea
     torch.set_num_threads(1)  # a tiny model: some 5 x faster on a busy machine than a thread per core
     try:
         with torch.no_grad():
-            out = hf.generate(**ids, max_new_tokens=max_tokens, num_beams=num_beams, do_sample=False, pad_token_id=pad,
-                              length_penalty=length_penalty, early_stopping=early_stopping)  # fmt: skip
+            out = hf.generate(**ids, max_new_tokens=max_tokens, num_beams=num_beams, do_sample=False,
+                              pad_token_id=pad, **options)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    return tuple(out[0, ids.input_ids.shape[1] if architecture == "gpt2" else 1 :].tolist())
+    return list(out[0, ids.input_ids.shape[1] if architecture == "gpt2" else 1 :].tolist())
+
+
+@cache
+def _beams(architecture: str, prompt: str, max_tokens: int = MAX_TOKENS, num_beams: int = BEAMS,
+           length_penalty: float = 1.0, early_stopping: bool | str = False) -> tuple[int, ...]:  # fmt: skip
+    """transformers' beam search: the new tokens of its best hypothesis (EOS included, as generate returns it)."""
+    return tuple(_generate(architecture, prompt, max_tokens, num_beams, length_penalty=length_penalty,
+                           early_stopping=early_stopping))  # fmt: skip
 
 
 def _rows_per_step(model: GenerationModel) -> list[tuple[int, int]]:
@@ -135,6 +141,34 @@ def test_length_penalty_and_early_stopping_choose_as_transformers(
 
     for prompt, [chunk] in zip(prompts, asyncio.run(run()), strict=True):
         assert chunk.token_ids == _beams("gpt2", prompt, MAX_TOKENS, 3, length_penalty, early_stopping), prompt
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_stop_token_ids_and_the_repetition_penalty_choose_as_transformers(repo: Path, architecture: str) -> None:
+    """A stop token id ends a hypothesis as an EOS id does (transformers: eos_token_id [EOS, stop]); the repetition
+    penalty covers what transformers' covers (its decoder's input ids), greedy and beams alike."""
+    model = _model(repo, architecture)
+    _, tokenizer = _reference(architecture)
+    prompts = BEAM_PROMPTS[1:5]
+    stop = _beams(architecture, prompts[0])[2]  # a token the first answer has: it ends sooner
+
+    async def run() -> list[list[GenerationChunk]]:
+        model.start()
+        try:
+            return await asyncio.gather(*(
+                _collect(model, GenerationRequest(tuple(model.encode(p)), 16, num_beams=n, **fields))
+                for p in prompts for n in (1, BEAMS)
+                for fields in ({"stop_token_ids": (stop,)}, {"repetition_penalty": 1.8})
+            ))  # fmt: skip
+        finally:
+            await model.close()
+
+    answers = iter(asyncio.run(run()))
+    for p in prompts:
+        for n in (1, BEAMS):
+            stopped, penalised = ([t for c in next(answers) for t in c.token_ids] for _ in range(2))
+            assert stopped == _generate(architecture, p, 16, n, eos_token_id=[tokenizer.eos_token_id, stop]), p
+            assert penalised == _generate(architecture, p, 16, n, repetition_penalty=1.8), p
 
 
 def test_a_beam_request_reserves_its_beams_caches_and_a_closed_one_frees_them(repo: Path) -> None:

@@ -460,7 +460,7 @@ class Engine:
         if request.num_beams > 1:
             self._beam_advance(s, logits)
             return
-        token = s.chooser.choose(logits, (*s.prompt, *s.output) if s.chooser.penalty != 1.0 else ())
+        token = s.chooser.choose(logits, self._seen(s) if s.chooser.penalty != 1.0 else ())
         first = not s.output
         s.output.append(token)
         if first:
@@ -483,6 +483,11 @@ class Engine:
         else:
             self._send(s, chunk)
 
+    def _seen(self, s: Sequence) -> tuple[int, ...]:
+        """The tokens the repetition penalty covers, as transformers' covers its decoder's input ids: the prompt
+        and the output (decoder-only), the decoder's start token and the output (encoder-decoder)."""
+        return (self.decoder_start, *s.output) if self.encoder_decoder else (*s.prompt, *s.output)
+
     def _beam_advance(self, s: Sequence, logits: np.ndarray) -> None:
         """Offer beam row `s`'s log-probs to its search; once every beam's are in, step the search: the next
         beams (fresh rows, each continuing its parent's cache) take the place of these, or the answer goes out."""
@@ -496,7 +501,7 @@ class Engine:
         search = lead.search
         scores = log_softmax(logits)
         if s.chooser.penalty != 1.0:  # logits processors run on the log-probs in transformers' beam search
-            scores = s.chooser.scores(scores, (*s.prompt, *s.output))
+            scores = s.chooser.scores(scores, self._seen(s))
         rows = lead.beams or [lead]
         if not search.offer(rows.index(s), scores):
             return
