@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from service.seq2seq.beams import EarlyStopping
+
 __all__ = ["FINISH_REASONS", "EarlyStopping", "FinishReason", "GenerationChunk", "GenerationDefaults",
            "GenerationRequest", "Generator"]  # fmt: skip
 
 FinishReason = Literal["stop", "length"]
-EarlyStopping = bool | Literal["never"]  # a beam search's stopping rule, as transformers' early_stopping
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length")  # "stop": EOS, a stop token or a stop string
 
 

@@ -23,12 +23,13 @@ out" offset -1e9, as transformers', so that the choices are its choices.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from service.models.generation.capability import EarlyStopping
+__all__ = ["BeamSearch", "EarlyStopping", "Hypothesis", "log_softmax"]
 
-__all__ = ["BeamSearch", "Hypothesis", "log_softmax"]
+EarlyStopping = bool | Literal["never"]  # when a search stops, as transformers' early_stopping
 
 RULED_OUT = np.float32(-1.0e9)  # transformers' score for a beam that must not be chosen
 
