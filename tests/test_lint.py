@@ -103,8 +103,6 @@ KIND_TENSORS = {"TEXT", "PHONEMES", "WORDS", "REASONS", "SOURCES", "VARIANTS", "
                 "QUERY", "INPUT_IDS"}  # fmt: skip
 KIND_FREE = ("frontends", "serving", "scheduling", "repository", "observability", "server.py")
 NAMING_KINDS = {
-    "service/repository/layout.py": "the kind a config.json leaves out, from the folder's files",
-    "service/repository/triton_config.py": "Triton's platform 'ensemble' read as the ensemble kind",
     "service/frontends/text_api.py": "the text kind's TEI and OpenAI endpoints: TEXT in, EMBEDDING or SCORES out",
 }
 

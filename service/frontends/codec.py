@@ -1,18 +1,18 @@
-"""Protocol tensors <-> numpy: typed contents, raw contents, and the answer's outputs.
+"""The protocol's raw tensor bytes <-> numpy, for every transport.
 
-The data plane reads an input through a `TensorSource` (service/serving/dataplane_types.py): a gRPC
-message's tensor is a `MessageSource`, REST's raw or JSON data a `RawSource`.
+The data plane reads an input through a `TensorSource` (service/serving/dataplane_types.py): REST's binary
+data is a `RawSource` (a view of the body, not a copy), its JSON data a `FlatSource` (an array of the declared
+datatype, built as the body is parsed); a gRPC message's tensor is service/frontends/grpc_codec.py's `MessageSource`.
 
-The v2 protocol carries a tensor either in typed `contents` (one repeated field per type) or
-as little-endian bytes in `raw_input_contents` (BYTES in the length-prefixed form of
+The v2 protocol carries a tensor either in typed `contents` (one repeated field per type, gRPC's alone) or
+as little-endian bytes (`raw_input_contents`, REST's binary data; BYTES in the length-prefixed form of
 service/datatypes.py). The datatypes themselves and the bounds on one tensor are service/datatypes.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -26,39 +26,7 @@ from service.datatypes import (
 from service.errors import InvalidArgument, quote
 from service.serving.dataplane_types import checked_shape
 
-__all__ = ["CONTENTS_FIELD", "MessageSource", "RawSource", "fill_output", "output_bytes", "raw_array"]
-
-# The typed-contents field that carries each datatype (smaller ints travel widened).
-CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-# Datatypes whose typed contents travel in a wider field, and that field's numpy type.
-_NARROW = {"INT8": np.int32, "INT16": np.int32, "UINT8": np.uint32, "UINT16": np.uint32}
-# Typed contents become an array this many values at a time: each slice is a bounded list of Python
-# numbers, and a thread converting a large tensor lets the event loop run between two slices.
-CONTENTS_SLICE = 1 << 16
-
-
-def _typed(values: Any, dtype: Any, count: int) -> np.ndarray:
-    """A repeated protobuf field of numbers -> a 1-d array, CONTENTS_SLICE values at a time."""
-    if count <= CONTENTS_SLICE:
-        return np.asarray(values, dtype=dtype)
-    out = np.empty(count, dtype=dtype)
-    for start in range(0, count, CONTENTS_SLICE):
-        out[start : start + CONTENTS_SLICE] = values[start : start + CONTENTS_SLICE]
-    return out
-
+__all__ = ["FlatSource", "RawSource", "check_element_bytes", "output_bytes", "raw_array"]
 
 # Each numeric datatype's numpy type as it travels (little-endian) and as this machine holds it.
 _WIRE_DTYPES = {
@@ -69,87 +37,60 @@ _WIRE_DTYPES = {
 
 
 def raw_array(
-    name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes, limits: InputLimits
+    name: str, datatype: str, shape: tuple[int, ...], count: int, raw: bytes | memoryview, limits: InputLimits
 ) -> np.ndarray:
-    """A tensor's little-endian bytes (BYTES: length-prefixed) -> an array of its checked `shape`."""
+    """A tensor's little-endian bytes (BYTES: length-prefixed) -> an array of its checked `shape`: a view of
+    `raw` (read-only) where this machine is little-endian and the bytes lie aligned for their type, else a copy."""
     if datatype == "BYTES":
-        return decode_bytes(raw, count, name, limits.element_bytes).reshape(shape)
+        return decode_bytes(bytes(raw), count, name, limits.element_bytes).reshape(shape)
     dtype, native = _WIRE_DTYPES[datatype]
     if len(raw) != count * dtype.itemsize:
         raise InvalidArgument(
             f"input {quote(name)}: raw contents are {len(raw)} bytes, shape {list(shape)} of {datatype} needs "
             f"{count * dtype.itemsize}"
         )
-    return np.frombuffer(raw, dtype=dtype).astype(native, copy=False).reshape(shape)
+    array = np.frombuffer(raw, dtype=dtype).astype(native, copy=False)
+    if not array.flags.aligned:  # binary data after a JSON header of any length: onnxruntime wants it aligned
+        array = array.copy()
+    return array.reshape(shape)
 
 
 @dataclass(frozen=True)
 class RawSource:
-    """An input's elements as the protocol's raw bytes: REST's binary data, or its JSON data converted."""
+    """An input's elements as the protocol's raw bytes (REST's binary data: a view of the body), read in place."""
 
     raw: bytes | memoryview
 
     def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
         checked, count = checked_shape(name, datatype, shape, limits)
-        return raw_array(name, datatype, checked, count, bytes(self.raw), limits)
+        return raw_array(name, datatype, checked, count, self.raw, limits)
+
+
+def check_element_bytes(name: str, elements: Iterable[bytes], limit: int | None) -> None:
+    """InvalidArgument naming the first BYTES element longer than `limit` (None: no limit)."""
+    if limit is None:
+        return
+    for i, b in enumerate(elements):
+        if len(b) > limit:
+            raise InvalidArgument(f"input {quote(name)} element {i}: {len(b)} bytes, the limit is {limit}")
 
 
 @dataclass(frozen=True)
-class MessageSource:
-    """An InferInputTensor of a gRPC message: its typed contents, or its raw contents (`raw` gives a copy
-    out of the message, asked for only once the shape passed its limits). `refused`: why its raw contents
-    cannot be matched to it (the message's counts disagree)."""
+class FlatSource:
+    """An input's elements already as a flat array of its declared datatype (REST's JSON `data`, converted as
+    it was parsed; generate's text): shaped on read, once its count matches the checked shape."""
 
-    tensor: Any  # protocol.InferInputTensor
-    raw: Callable[[], bytes] | None
-    refused: str = ""
+    flat: np.ndarray
 
     def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
-        if self.refused:
-            raise InvalidArgument(self.refused)
         checked, count = checked_shape(name, datatype, shape, limits)
-        if self.raw is not None:
-            if self.tensor.HasField("contents"):
-                raise InvalidArgument(
-                    f"contents field must not be specified when using raw_input_contents for {quote(name)}: "
-                    "both typed contents and raw_input_contents given"
-                )
-            return raw_array(name, datatype, checked, count, self.raw(), limits)
-        return _contents_array(self.tensor, name, datatype, checked, count, limits)
-
-
-def _contents_array(
-    tensor: Any, name: str, datatype: str, shape: tuple[int, ...], count: int, limits: InputLimits
-) -> np.ndarray:
-    """An InferInputTensor's typed contents -> an array of its checked `shape`."""
-    field = CONTENTS_FIELD.get(datatype)
-    if field is None:
-        raise InvalidArgument(f"input {quote(name)}: {datatype} travels only in raw_input_contents")
-    values = getattr(tensor.contents, field)
-    if len(values) != count:
-        raise InvalidArgument(
-            f"input {quote(name)}: {len(values)} values in contents.{field}, shape {list(shape)} needs {count}"
-        )
-    if datatype == "BYTES":
-        elements = list(values)
-        if limits.element_bytes is not None:
-            for i, b in enumerate(elements):
-                if len(b) > limits.element_bytes:
-                    raise InvalidArgument(
-                        f"input {quote(name)} element {i}: {len(b)} bytes, the limit is {limits.element_bytes}"
-                    )
-        return np.array(elements, dtype=np.object_).reshape(shape)
-    dtype = np.dtype(NUMPY_DTYPES[datatype])
-    if datatype in _NARROW:  # carried widened (int32 / uint32): a value may not fit the declared type
-        wide = _typed(values, _NARROW[datatype], count)
-        info = np.iinfo(dtype)
-        if wide.size and (wide.min() < info.min or wide.max() > info.max):
-            bad = int(wide.min()) if wide.min() < info.min else int(wide.max())
+        if self.flat.size != count:
             raise InvalidArgument(
-                f"input {quote(name)}: value {bad} in contents.{field} is outside {datatype} [{info.min}, {info.max}]"
+                f"input {quote(name)}: {self.flat.size} values in data, shape {list(checked)} needs {count}"
             )
-        return wide.astype(dtype).reshape(shape)
-    return _typed(values, dtype, count).reshape(shape)
+        if datatype == "BYTES":
+            check_element_bytes(name, self.flat.tolist(), limits.element_bytes)
+        return self.flat.reshape(checked)
 
 
 def output_bytes(array: np.ndarray) -> bytes:
@@ -157,10 +98,3 @@ def output_bytes(array: np.ndarray) -> bytes:
     if datatype_of(array) == "BYTES":
         return encode_bytes(array)
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-
-
-def fill_output(tensor: Any, array: np.ndarray) -> bytes:
-    """Set name-independent metadata of an output tensor; return its raw little-endian bytes."""
-    tensor.datatype = datatype_of(array)
-    tensor.shape.extend(array.shape)
-    return output_bytes(array)

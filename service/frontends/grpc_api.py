@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from functools import cache, partial
-from typing import Any, NoReturn, TypeVar, overload
+from typing import NoReturn, TypeVar, overload
 
 import grpc
 from grpc.aio import ServicerContext as Context
@@ -22,7 +22,7 @@ from service import protocol
 from service.callers import Caller
 from service.errors import InvalidArgument, ResourceExhausted, ServingError, quote
 from service.frontends import shared_memory
-from service.frontends.codec import MessageSource
+from service.frontends.grpc_codec import MessageSource, place_output
 from service.frontends.grpc_generate import stream_generation
 from service.frontends.messages import (
     config_message,
@@ -43,11 +43,14 @@ __all__ = ["STREAM_WINDOW", "InferenceService", "generic_handler"]
 
 STREAM_WINDOW = 256  # ModelStreamInfer: requests read from one stream and not yet answered, at most
 SEND_LIMIT = (1 << 31) - 1  # the largest answer by default: Triton's (INT32_MAX, gRPC's own ceiling)
-_END_OF_STREAM = object()  # ModelStreamInfer: every request the client sent is answered
 T = TypeVar("T")
+# What a stream of ModelStreamInfer hands the method: a message, or why it is none (over a limit, undecodable)
+_Streamed = protocol.ModelInferRequest | protocol.Undecodable
+# A parameter's message: an inference request's, or a repository load's (the same oneof, parameter_choice)
+_ParameterMessage = protocol.InferParameter | protocol.ModelRepositoryParameter
 
 
-def _value(p: Any) -> Parameter | None:
+def _value(p: _ParameterMessage) -> Parameter | None:
     """An InferParameter's value; None when none is set."""
     which = p.WhichOneof("parameter_choice")
     return None if which is None else getattr(p, which)
@@ -57,7 +60,7 @@ class _Parameters(Mapping[str, Parameter]):
     """A message's map of InferParameter as plain values. len() counts every entry on the wire; the
     entries without a value set are not iterated."""
 
-    def __init__(self, params: Any) -> None:
+    def __init__(self, params: Mapping[str, _ParameterMessage]) -> None:
         self._params = params
 
     def __len__(self) -> int:
@@ -67,7 +70,11 @@ class _Parameters(Mapping[str, Parameter]):
         return (k for k, p in self._params.items() if p.WhichOneof("parameter_choice") is not None)
 
     def __contains__(self, key: object) -> bool:  # Mapping's would raise and catch a KeyError
-        return key in self._params and self._params[key].WhichOneof("parameter_choice") is not None
+        return (
+            isinstance(key, str)
+            and key in self._params
+            and self._params[key].WhichOneof("parameter_choice") is not None
+        )
 
     def __getitem__(self, key: str) -> Parameter:
         if key not in self._params:  # indexing a protobuf map would add the key
@@ -78,7 +85,7 @@ class _Parameters(Mapping[str, Parameter]):
         return value
 
 
-def _parameters(params: Any) -> Mapping[str, Parameter]:
+def _parameters(params: Mapping[str, protocol.InferParameter]) -> Mapping[str, Parameter]:
     """A message's map of InferParameter: as a dict, read in one pass, when it holds at most MAX_PARAMETERS
     entries; else as the view, whose length the data plane refuses before it reads any entry."""
     if len(params) > MAX_PARAMETERS:
@@ -94,7 +101,7 @@ def _parameters(params: Any) -> Mapping[str, Parameter]:
 class _Inputs(Sequence[InferInput]):
     """A ModelInferRequest's input tensors, each built when it is read."""
 
-    def __init__(self, message: Any, memory: shared_memory.RequestMemory | None = None) -> None:
+    def __init__(self, message: protocol.ModelInferRequest, memory: shared_memory.RequestMemory | None = None) -> None:
         self._tensors, self._raw, self._memory = message.inputs, message.raw_input_contents, memory
         raw, n = len(self._raw), len(self._tensors)
         # inputs in shared memory have no raw_input_contents entry: the others' entries, in order
@@ -134,8 +141,12 @@ class _Inputs(Sequence[InferInput]):
         if built is not None:
             return built
         t = self._tensors[k]
-        raw = self._memory.contents(t) if self._memory is not None else None  # read from its region
-        if raw is None and len(self._raw) and not self._refused:
+        region = self._memory.source(t.name) if self._memory is not None and not self._refused else None
+        if region is not None:  # read from its region
+            built = self._built[k] = InferInput(t.name, t.datatype, t.shape, region)
+            return built
+        raw = None
+        if len(self._raw) and not self._refused:
             j = k if self._raw_index is None else self._raw_index[k]
             raw = partial(self._raw.__getitem__, j)
         built = self._built[k] = InferInput(t.name, t.datatype, t.shape, MessageSource(t, raw, self._refused))
@@ -145,7 +156,7 @@ class _Inputs(Sequence[InferInput]):
 class _Outputs(Sequence[RequestedOutput]):
     """A ModelInferRequest's requested outputs, each built when it is read."""
 
-    def __init__(self, outputs: Any) -> None:
+    def __init__(self, outputs: Sequence[protocol.ModelInferRequest.InferRequestedOutputTensor]) -> None:
         self._outputs = outputs
         self._built: dict[int, RequestedOutput] = {}  # the data plane reads an output more than once
 
@@ -170,7 +181,7 @@ class _Outputs(Sequence[RequestedOutput]):
 
 
 def decode_request(
-    message: Any,
+    message: protocol.ModelInferRequest,
     context: Context,
     plane: DataPlane,
     method: str,
@@ -196,7 +207,7 @@ def decode_request(
 
 def encode_response(
     answer: InferResponse, memory: shared_memory.RequestMemory | None = None, limit: int = SEND_LIMIT
-) -> Any:
+) -> protocol.ModelInferResponse:
     """The data plane's answer -> a ModelInferResponse, every output in raw_output_contents (empty for one
     written into its shared memory region); RESOURCE_EXHAUSTED naming --max-send-message-bytes when it is
     larger than `limit` (gRPC's own refusal names nothing)."""
@@ -204,7 +215,7 @@ def encode_response(
         model_name=answer.model_name, model_version=answer.model_version, id=answer.id
     )
     for name, array in answer.outputs.items():
-        response.raw_output_contents.append(shared_memory.place_output(memory, response.outputs.add(name=name), array))
+        response.raw_output_contents.append(place_output(memory, response.outputs.add(name=name), array))
     # The contents are most of a large answer: only one near the limit is measured whole.
     if sum(map(len, response.raw_output_contents)) + WALKED_BYTES > limit and (size := response.ByteSize()) > limit:
         raise ResourceExhausted(
@@ -220,13 +231,26 @@ MAX_SHARED_TENSORS = 1024
 
 
 def _attached(
-    regions: shared_memory.SharedMemoryRegistry, message: Any, uid: Callable[[], int | None], caller: Caller | None
+    regions: shared_memory.SharedMemoryRegistry,
+    message: protocol.ModelInferRequest,
+    uid: Callable[[], int | None],
+    caller: Caller | None,
 ) -> shared_memory.RequestMemory | None:
     """The regions a request's tensors name, leased (None: it names none); an error is the request's answer.
     `uid`: the requesting user (service/frontends/peers.py), found only for a request that names a region."""
     if len(message.inputs) + len(message.outputs) > MAX_SHARED_TENSORS:
         return None
-    return regions.attach(message, uid, caller)
+    if not any(len(t.parameters) for t in message.inputs) and not any(len(t.parameters) for t in message.outputs):
+        return None  # most requests: no tensor has a parameter, so none names a region
+    inputs = [
+        shared_memory.TensorRegion(t.name, _parameters(t.parameters), t.HasField("contents"))
+        for t in message.inputs
+        if len(t.parameters)
+    ]
+    outputs = [
+        shared_memory.TensorRegion(t.name, _parameters(t.parameters)) for t in message.outputs if len(t.parameters)
+    ]
+    return regions.attach(inputs, outputs, uid, caller)
 
 
 async def _abort(context: Context, e: ServingError) -> NoReturn:
@@ -272,43 +296,55 @@ class InferenceService:
         """The peer's local user (service/frontends/peers.py), asked for only by a request that names a region."""
         return grpc_peer_uid(context.peer(), self.address())
 
-    async def ServerLive(self, request: Any, context: Context) -> Any:
+    async def ServerLive(self, request: protocol.ServerLiveRequest, context: Context) -> protocol.ServerLiveResponse:
         return protocol.ServerLiveResponse(live=self.plane.live())
 
-    async def ServerReady(self, request: Any, context: Context) -> Any:
+    async def ServerReady(self, request: protocol.ServerReadyRequest, context: Context) -> protocol.ServerReadyResponse:
         return protocol.ServerReadyResponse(ready=self.plane.ready())
 
-    async def ModelReady(self, request: Any, context: Context) -> Any:
+    async def ModelReady(self, request: protocol.ModelReadyRequest, context: Context) -> protocol.ModelReadyResponse:
         return protocol.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
-    async def ServerMetadata(self, request: Any, context: Context) -> Any:
+    async def ServerMetadata(
+        self, request: protocol.ServerMetadataRequest, context: Context
+    ) -> protocol.ServerMetadataResponse:
         return server_metadata_message(self.plane.server_info(), self.regions.extensions)
 
-    async def ModelMetadata(self, request: Any, context: Context) -> Any:
+    async def ModelMetadata(
+        self, request: protocol.ModelMetadataRequest, context: Context
+    ) -> protocol.ModelMetadataResponse:
         m = await _answered(context, partial(self.plane.model, request.name, request.version))
         return metadata_message(m, self.plane.versions(m.name))
 
-    async def ModelConfig(self, request: Any, context: Context) -> Any:
+    async def ModelConfig(self, request: protocol.ModelConfigRequest, context: Context) -> protocol.ModelConfigResponse:
         return config_message(await _answered(context, partial(self.plane.model, request.name, request.version)))
 
-    async def ModelStatistics(self, request: Any, context: Context) -> Any:
+    async def ModelStatistics(
+        self, request: protocol.ModelStatisticsRequest, context: Context
+    ) -> protocol.ModelStatisticsResponse:
         chosen = await _answered(context, partial(self.plane.statistics, request.name, request.version))
         caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
         return statistics_message(chosen, self.plane.cache, caller)
 
-    async def RepositoryIndex(self, request: Any, context: Context) -> Any:
+    async def RepositoryIndex(
+        self, request: protocol.RepositoryIndexRequest, context: Context
+    ) -> protocol.RepositoryIndexResponse:
         return index_message(self.plane.index(ready_only=request.ready))
 
-    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+    async def RepositoryModelLoad(
+        self, request: protocol.RepositoryModelLoadRequest, context: Context
+    ) -> protocol.RepositoryModelLoadResponse:
         params = _Parameters(request.parameters)
         await _awaited(context, self.plane.load(request.model_name, params, request.repository_name))
         return protocol.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+    async def RepositoryModelUnload(
+        self, request: protocol.RepositoryModelUnloadRequest, context: Context
+    ) -> protocol.RepositoryModelUnloadResponse:
         await _awaited(context, self.plane.unload(request.model_name, request.repository_name))
         return protocol.RepositoryModelUnloadResponse()
 
-    async def ModelInfer(self, request: Any, context: Context) -> Any:
+    async def ModelInfer(self, request: protocol.ModelInferRequest, context: Context) -> protocol.ModelInferResponse:
         caller = self.tokens.caller_of(context.invocation_metadata())
         try:
             memory = _attached(self.regions, request, partial(self._peer_uid, context), caller)
@@ -326,14 +362,17 @@ class InferenceService:
             if memory is not None:
                 memory.close()
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[_Streamed], context: Context
+    ) -> AsyncIterator[protocol.ModelStreamInferResponse]:
         """Triton's streaming inference. Each request runs as soon as it arrives, beside the stream's others
         (so they batch together), and is answered as soon as it is done: a failure as error_message, and
         the stream goes on. The stream's deadline bounds every request on it; when the client goes, the
         requests still queued leave their queues. A generating model's request is decoupled: a response
         a chunk (grpc_generate.py); a client that goes away closes its sequences."""
         # (a response, the window it gives back once sent: a request's last response gives back `window`)
-        answers: asyncio.Queue[Any] = asyncio.Queue()
+        # None: every request the client sent is answered
+        answers: asyncio.Queue[tuple[protocol.ModelStreamInferResponse, asyncio.Semaphore] | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
         # Requests read but not yet answered to the client: a client that stops reading stops being read.
         window = asyncio.Semaphore(STREAM_WINDOW)
@@ -342,12 +381,12 @@ class InferenceService:
         caller = self.tokens.caller_of(context.invocation_metadata())
         uid = cache(partial(self._peer_uid, context))  # found once: a stream's requests share its connection
 
-        async def chunk(reply: Any, last: bool) -> None:
+        async def chunk(reply: protocol.ModelStreamInferResponse, last: bool) -> None:
             if not last:
                 await chunk_window.acquire()
             answers.put_nowait((reply, window if last else chunk_window))
 
-        async def answer(request: Any) -> None:
+        async def answer(request: protocol.ModelInferRequest) -> None:
             memory = None
             try:
                 if generates(self.plane, request.model_name, request.model_version):
@@ -385,11 +424,11 @@ class InferenceService:
                 await asyncio.gather(*running)
                 return broken
             finally:
-                answers.put_nowait(_END_OF_STREAM)
+                answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (item := await answers.get()) is not _END_OF_STREAM:
+            while (item := await answers.get()) is not None:
                 reply, given_back = item
                 yield reply
                 given_back.release()
@@ -406,7 +445,7 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
     counted on the wire before they are parsed (a refusal reaches the method in the message's place)."""
     handlers = protocol.method_handlers(service)
 
-    def deserialize(data: bytes) -> Any:
+    def deserialize(data: bytes) -> _Streamed:
         request = infer_request_deserializer(data)
         if isinstance(request, protocol.Undecodable) and len(data) > WALKED_BYTES:
             service.plane.large_request_done()
@@ -418,11 +457,11 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
 
 
 def _stream_answer(
-    request: Any,
+    request: protocol.ModelInferRequest | Refused,
     outcome: InferResponse | ServingError,
     memory: shared_memory.RequestMemory | None = None,
     limit: int = SEND_LIMIT,
-) -> Any:
+) -> protocol.ModelStreamInferResponse:
     """A ModelStreamInferResponse: the answer, or the error as `STATUS: message` with the request's id and
     model, so that a client can tell which request failed."""
     if not isinstance(outcome, ServingError):

@@ -34,7 +34,8 @@ BOOL_INPUTS = ("stream", "exclude_input_in_output", "ignore_eos", *EXTRAS)
 # Sampling fields a client may send as one-element number tensors, as TensorRT-LLM's clients send max_tokens.
 NUMBER_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty")
 TEXT_BYTES = 1 << 22  # text_input and sampling_parameters, at most (within --max-message-bytes anyway)
-Put = Callable[[Any, bool], Awaitable[None]]  # a response, and whether it is its request's last
+# A response, and whether it is its request's last
+Put = Callable[[protocol.ModelStreamInferResponse, bool], Awaitable[None]]
 
 
 def _inputs(request: InferRequest) -> tuple[str, str | None, dict[str, Any]]:
@@ -74,7 +75,9 @@ def _inputs(request: InferRequest) -> tuple[str, str | None, dict[str, Any]]:
     return text, sampling, flags
 
 
-def _response(request: InferRequest, g: Generation, fields: dict[str, Any], final: bool) -> Any:
+def _response(
+    request: InferRequest, g: Generation, fields: dict[str, Any], final: bool
+) -> protocol.ModelStreamInferResponse:
     response = protocol.ModelInferResponse(model_name=g.model.name, model_version=g.model.version, id=request.id)
     for name, value in fields.items():
         if name == "text_output" or name == "finish_reason":

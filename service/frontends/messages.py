@@ -1,32 +1,49 @@
 """The data plane's answers about models as the protocol's messages: server and model metadata, model
 configuration, statistics and the repository index. gRPC sends them as they are; REST writes them as
-Triton's REST API does, as JSON of the same messages (`rest_codec.message_json`)."""
+Triton's REST API does, as JSON of the same messages (`message_json`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from service import protocol
 from service.callers import Caller
 from service.models.catalog import BATCHING_SHOWN, ServedVersion, ShowsParameters, TunesBatching, capability
 from service.models.response_cache import ResponseCache
+from service.models.runtime import TensorSpec
 from service.serving.dataplane import ServerInfo
 from service.serving.registry import VersionState
 
-__all__ = ["config_message", "index_message", "metadata_message", "server_metadata_message", "statistics_message"]
+__all__ = [
+    "config_message",
+    "index_message",
+    "message_json",
+    "metadata_message",
+    "server_metadata_message",
+    "statistics_message",
+]
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
 
 
-def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> Any:
+def server_metadata_message(info: ServerInfo, more: Iterable[str] = ()) -> protocol.ServerMetadataResponse:
     """The server's name, version and extensions (`more`: those of the front ends, e.g. shared memory)."""
     extensions = [*info.extensions, *more]
     return protocol.ServerMetadataResponse(name=info.name, version=info.version, extensions=extensions)
 
 
-def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> Any:
-    tensor = protocol.message_class("ModelMetadataResponse.TensorMetadata")
+def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) -> protocol.ModelMetadataResponse:
+    tensor = protocol.ModelMetadataResponse.TensorMetadata
     return protocol.ModelMetadataResponse(
         name=model.name,
         versions=[v.version for v in versions],
@@ -36,12 +53,12 @@ def metadata_message(model: ServedVersion, versions: Iterable[ServedVersion]) ->
     )
 
 
-def _triton_dims(shape: Any, batched: bool) -> list[int]:
+def _triton_dims(shape: Sequence[int], batched: bool) -> list[int]:
     """A shape as Triton's ModelConfig writes it: without the batch axis when there is one."""
     return list(shape[1:]) or [1] if batched else list(shape)
 
 
-def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+def _model_input(spec: TensorSpec, data_type: int, batched: bool, declared: dict[str, Any]) -> protocol.ModelInput:
     """An input as Triton's ModelConfig shows it, with config.json's format and reshape."""
     i = protocol.ModelInput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
     if "format" in declared:
@@ -52,7 +69,7 @@ def _model_input(spec: Any, data_type: int, batched: bool, declared: dict[str, A
     return i
 
 
-def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, Any]) -> Any:
+def _model_output(spec: TensorSpec, data_type: int, batched: bool, declared: dict[str, Any]) -> protocol.ModelOutput:
     """An output as Triton's ModelConfig shows it, with config.json's reshape and labels file."""
     o = protocol.ModelOutput(name=spec.name, data_type=data_type, dims=_triton_dims(spec.shape, batched))
     if "reshape" in declared:
@@ -62,7 +79,7 @@ def _model_output(spec: Any, data_type: int, batched: bool, declared: dict[str, 
     return o
 
 
-def config_message(m: ServedVersion) -> Any:
+def config_message(m: ServedVersion) -> protocol.ModelConfigResponse:
     """Triton's ModelConfig of a version: its tensors, instances and batching, and qkv's own parameters."""
     if m.config.triton is not None:
         return protocol.ModelConfigResponse(config=triton_config_message(m))
@@ -114,7 +131,7 @@ def config_message(m: ServedVersion) -> Any:
     return protocol.ModelConfigResponse(config=config)
 
 
-def triton_config_message(m: ServedVersion) -> Any:
+def triton_config_message(m: ServedVersion) -> protocol.ModelConfig:
     """A version read from a Triton config: the file's config as it is, plus the fields Triton's own
     auto-complete fills where the file left them out (inputs and outputs from the graph, max_batch_size,
     platform and backend, one instance group, the default model file name)."""
@@ -149,13 +166,13 @@ def triton_config_message(m: ServedVersion) -> Any:
     return config
 
 
-def _duration(count: int, ns: int) -> Any:
+def _duration(count: int, ns: int) -> protocol.StatisticDuration:
     return protocol.StatisticDuration(count=count, ns=ns)
 
 
 def statistics_message(
     models: Iterable[ServedVersion], cache: ResponseCache[Any] | None = None, caller: Caller | None = None
-) -> Any:
+) -> protocol.ModelStatisticsResponse:
     """Triton's ModelStatistics of `models`, with the response cache's hits and misses for those that use it:
     with isolated tokens, those of the `caller`'s own requests alone."""
     response = protocol.ModelStatisticsResponse()
@@ -185,8 +202,41 @@ def statistics_message(
     return response
 
 
-def index_message(rows: Iterable[VersionState]) -> Any:
+def index_message(rows: Iterable[VersionState]) -> protocol.RepositoryIndexResponse:
     response = protocol.RepositoryIndexResponse()
     for row in rows:
         response.models.add(name=row.name, version=row.version, state=row.state, reason=row.reason)
     return response
+
+
+def _numbers(message: protocol.Message, doc: Any) -> Any:
+    """Undo proto3 JSON's strings for 64-bit integers: Triton's REST answers carry numbers, and
+    perf_analyzer and tritonclient read them as numbers."""
+    if not isinstance(doc, dict):
+        return doc
+    for f in message.DESCRIPTOR.fields:
+        if f.name not in doc:
+            continue
+        value = getattr(message, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            entry = f.message_type.fields_by_name["value"]
+            if entry.message_type is not None:
+                for key, sub in value.items():
+                    _numbers(sub, doc[f.name][str(key)])
+        elif f.message_type is not None:
+            subs = list(value) if f.label == FieldDescriptor.LABEL_REPEATED else [value]
+            targets = doc[f.name] if f.label == FieldDescriptor.LABEL_REPEATED else [doc[f.name]]
+            for sub, target in zip(subs, targets, strict=True):
+                _numbers(sub, target)
+        elif f.type in _INT64_TYPES:
+            doc[f.name] = [int(v) for v in doc[f.name]] if isinstance(doc[f.name], list) else int(doc[f.name])
+    return doc
+
+
+def message_json(message: protocol.Message) -> Any:
+    """A protocol message as Triton's REST API writes it: field names as in the .proto, every field
+    present (zeros too), enums by name, 64-bit integers as numbers."""
+    doc = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _numbers(message, doc)

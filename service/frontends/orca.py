@@ -83,11 +83,11 @@ class LoadReports:
             answered, failed = answered + stats.success_count, failed + stats.fail_count
         return Sample(self.clock(), time.process_time(), answered, failed)
 
-    def report(self, before: Sample, now: Sample) -> Any:
+    def report(self, before: Sample, now: Sample) -> protocol.OrcaLoadReport:
         """The load report for the interval from `before` to `now`."""
         return report(self.metrics.capacity_signal(), before, now, self.cores, _resident_bytes() / self.memory)
 
-    async def StreamCoreMetrics(self, request: Any, context: Any) -> None:
+    async def StreamCoreMetrics(self, request: protocol.OrcaLoadReportRequest, context: Any) -> None:
         asked = request.report_interval.seconds + request.report_interval.nanos / 1e9
         interval = max(asked, MIN_INTERVAL_S)
         before = self.sample()
@@ -105,7 +105,7 @@ class LoadReports:
 
 def report(
     signal: dict[tuple[str, str], tuple[float, float]], before: Sample, now: Sample, cores: int, memory_share: float
-) -> Any:
+) -> protocol.OrcaLoadReport:
     """An `OrcaLoadReport` of each model version's (predicted wait, utilization) in `signal`, with the rates
     over `before` to `now`."""
     out = protocol.OrcaLoadReport()

@@ -30,14 +30,14 @@ from aiohttp.web_protocol import ERROR, RequestPayloadError
 
 from service.callers import Caller
 from service.config import ServerSettings
-from service.datatypes import encode_bytes
 from service.errors import ConfigError, InvalidArgument, ServingError, clip, quote
 from service.frontends import shared_memory
-from service.frontends.codec import MessageSource, RawSource
+from service.frontends.codec import FlatSource
 from service.frontends.completions_api import CompletionsApi
 from service.frontends.messages import (
     config_message,
     index_message,
+    message_json,
     metadata_message,
     server_metadata_message,
     statistics_message,
@@ -46,7 +46,6 @@ from service.frontends.peers import peer_uid
 from service.frontends.rest_codec import (
     InferBody,
     encode_infer,
-    message_json,
     parameters,
     parse_infer,
     parse_json,
@@ -149,9 +148,9 @@ class _TextInput:
         self, model: str, version: str, text: str, method: str, carrier: Any, io: tuple[str, tuple[str, ...]]
     ) -> InferRequest:
         """What generate sends the model: its text input [1], as a gRPC client would, and the outputs its kind
-        asks for (`io`: the model's TakesText.text_io)."""
+        asks for (`io`: the model's TakesText.text_io). The text's UTF-8 is the element, not encoded further."""
         name, outputs = io
-        tensor = InferInput(name, "BYTES", (1,), RawSource(encode_bytes(np.array([text.encode()], dtype=object))))
+        tensor = InferInput(name, "BYTES", (1,), FlatSource(np.array([text.encode()], dtype=object)))
         asked = tuple(RequestedOutput(name) for name in outputs)
         return InferRequest(
             model, version, self.id, [tensor], asked, self.parameters, None, carrier, method, caller=self.caller
@@ -484,15 +483,11 @@ class RestServer:
         """The shared memory regions a request's tensors name, leased; its inputs there read from them."""
         if not parsed.shared_inputs and not parsed.shared_outputs:
             return None
-        message = parsed.shared_message()
-        memory = self.regions.attach(message, partial(self._uid, request), caller)
+        memory = self.regions.attach(parsed.shared_inputs, parsed.shared_outputs, partial(self._uid, request), caller)
         if memory is None:
             return None
-        by_name = {t.name: t for t in message.inputs}
         parsed.request.inputs = [
-            InferInput(i.name, i.datatype, i.shape, MessageSource(by_name[i.name], memory.contents(by_name[i.name])))
-            if i.name in memory.inputs
-            else i
+            InferInput(i.name, i.datatype, i.shape, source) if (source := memory.source(i.name)) is not None else i
             for i in parsed.request.inputs
         ]
         return memory

@@ -3,10 +3,16 @@
 A REST inference request becomes the data plane's `InferRequest` (service/serving/dataplane_types.py), as a
 gRPC message does. Tensors come as JSON `data` (flat or nested, row-major; BYTES as strings) or, with
 Triton's binary tensor data extension, as raw bytes after the JSON header (`Inference-Header-Content-Length`,
-`parameters.binary_data_size`). Either way they are handed on as the protocol's raw bytes
-(`codec.RawSource`), which the data plane checks as it checks a gRPC client's. Answers go back as JSON
-`data`, or as raw bytes after the header for the outputs asked for in binary. The other endpoints answer
-with JSON of the protocol's messages, as Triton's REST API does (`message_json`).
+`parameters.binary_data_size`). JSON data becomes an array of the declared datatype as it is parsed
+(`codec.FlatSource`); binary data stays in the body, read in place (`codec.RawSource`, a numpy view); a tensor in
+shared memory is read from its region (`shared_memory.RegionSource`). The data plane checks each as it checks a
+gRPC client's. Answers go back as JSON `data`, or as raw bytes after the header for the outputs asked for in
+binary. No protobuf message is built on the way: the inference path is numpy and JSON only.
+
+The control endpoints (metadata, configuration, statistics, the repository index) answer with JSON of the
+protocol's messages, as Triton's REST API does (service/frontends/messages.py, `message_json`): building the
+message and writing it as proto3 JSON is the shortest way to Triton's exact field names, defaults and enum
+names, and those answers are off the inference path. This module imports no protobuf (a contract says so).
 """
 
 from __future__ import annotations
@@ -14,16 +20,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
-from service import protocol
 from service.datatypes import (
     MAX_DIMS,
     NUMPY_DTYPES,
@@ -31,18 +33,16 @@ from service.datatypes import (
     check_datatype,
     datatype_of,
     decode_bytes,
-    encode_bytes,
 )
 from service.errors import InvalidArgument, quote
 from service.frontends import shared_memory
-from service.frontends.codec import RawSource, output_bytes
+from service.frontends.codec import FlatSource, RawSource, output_bytes
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
 __all__ = [
     "MAX_JSON_BYTES",
     "InferBody",
     "encode_infer",
-    "message_json",
     "output_text",
     "parameters",
     "parse_infer",
@@ -56,13 +56,6 @@ BINARY_SIZE = "binary_data_size"
 # What a lone surrogate looks like in JSON: an escape \uD800-\uDFFF, or its UTF-8 form, which json.loads
 # lets through too. A body without one is not walked.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_INT64_TYPES = {
-    FieldDescriptor.TYPE_INT64,
-    FieldDescriptor.TYPE_UINT64,
-    FieldDescriptor.TYPE_SINT64,
-    FieldDescriptor.TYPE_FIXED64,
-    FieldDescriptor.TYPE_SFIXED64,
-}
 
 
 @dataclass
@@ -73,34 +66,12 @@ class InferBody:
     binary_outputs: dict[str, bool] = field(default_factory=dict)  # output name -> in binary
     binary_default: bool = False  # for outputs not named above
     # Tensors in system shared memory (Triton's extension): name -> (datatype, shape, their parameters)
-    shared_inputs: dict[str, tuple[str, list[int], dict[str, Parameter]]] = field(default_factory=dict)
-    shared_outputs: dict[str, dict[str, Parameter]] = field(default_factory=dict)
-
-    def shared_message(self) -> Any:
-        """The shared-memory tensors as a ModelInferRequest's (metadata and parameters, no data): what the
-        region registry reads (service/frontends/shared_memory.py)."""
-        message = protocol.ModelInferRequest()
-        for name, (datatype, shape, params) in self.shared_inputs.items():
-            _set_parameters(message.inputs.add(name=name, datatype=datatype, shape=shape).parameters, params)
-        for name, params in self.shared_outputs.items():
-            _set_parameters(message.outputs.add(name=name).parameters, params)
-        return message
+    # Tensors that name a system shared memory region (Triton's extension), for the registry to lease
+    shared_inputs: list[shared_memory.TensorRegion] = field(default_factory=list)
+    shared_outputs: list[shared_memory.TensorRegion] = field(default_factory=list)
 
     def binary(self, name: str) -> bool:
         return self.binary_outputs.get(name, self.binary_default)
-
-
-def _set_parameters(target: Any, params: Mapping[str, Parameter]) -> None:
-    """JSON parameter values into a protobuf parameters map, each in the field its type says."""
-    for key, value in params.items():
-        if isinstance(value, bool):
-            target[key].bool_param = value
-        elif isinstance(value, int):
-            target[key].int64_param = value
-        elif isinstance(value, float):
-            target[key].double_param = value
-        else:
-            target[key].string_param = value
 
 
 def parse_json(data: bytes | bytearray | memoryview, what: str = "the body") -> dict[str, Any]:
@@ -191,8 +162,9 @@ def _shape(value: Any, name: str) -> list[int]:
     return value
 
 
-def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
-    """JSON `data` (flat or nested) -> the raw little-endian bytes the protocol carries for it."""
+def _json_array(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
+    """JSON `data` (flat or nested) -> a flat array of `datatype` (BYTES: UTF-8 bytes objects), every value
+    checked to fit it."""
     try:
         array = np.array(data)
     except (ValueError, TypeError, RecursionError):  # ragged nesting, or too deep for numpy
@@ -209,7 +181,7 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
     if datatype == "BYTES":
         if flat.size and kind != "U":
             raise InvalidArgument(f"input {quote(name)}: BYTES data must be strings")
-        return encode_bytes(flat.astype(object))
+        return _utf8(flat.tolist() if flat.size else [])
     allowed = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf"}.get(datatype, "iu")
     if flat.size and kind not in allowed:
         got = {"b": "booleans", "U": "strings", "f": "numbers with a fraction"}.get(
@@ -224,7 +196,18 @@ def _json_tensor(name: str, datatype: str, shape: list[int], data: Any) -> bytes
             bad = low if low < info.min else high
             raise InvalidArgument(f"input {quote(name)}: value {bad} is outside {datatype} [{info.min}, {info.max}]")
     with np.errstate(over="ignore"):  # 1e300 as FP16 is inf, which the model refuses by name
-        return flat.astype(dtype.newbyteorder("<")).tobytes()
+        return flat.astype(dtype, copy=False)
+
+
+def _utf8(texts: list[str]) -> np.ndarray:
+    """JSON strings -> BYTES elements, their UTF-8 (a lone surrogate, which JSON can escape, refused)."""
+    out = np.empty(len(texts), dtype=np.object_)
+    for i, text in enumerate(texts):
+        try:
+            out[i] = text.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(f"BYTES element {i} is not valid Unicode (character {e.start})") from None
+    return out
 
 
 def _integers(data: Any, name: str, datatype: str) -> np.ndarray | None:
@@ -257,7 +240,7 @@ def _header_size(body: bytes, header_length: str | None) -> int:
 
 
 def _input(
-    tensor: Any, k: int, view: memoryview, offset: int, shared: dict[str, tuple[str, list[int], dict[str, Parameter]]]
+    tensor: Any, k: int, view: memoryview, offset: int, shared: list[shared_memory.TensorRegion]
 ) -> tuple[InferInput, int]:
     """inputs[k] of the JSON header, its binary data at `offset` of the body; and the offset after it."""
     if not isinstance(tensor, dict):
@@ -272,13 +255,13 @@ def _input(
     if shared_memory.REGION in tensor_params or any(k in tensor_params for k in shared_memory.PARAMETERS):
         if "data" in tensor or BINARY_SIZE in tensor_params:
             raise InvalidArgument(f"input {quote(name)}: both a shared memory region and data given")
-        shared[name] = (datatype, shape, parameters(tensor_params, f"input {quote(name)}: parameters"))
+        shared.append(shared_memory.TensorRegion(name, parameters(tensor_params, f"input {quote(name)}: parameters")))
         return InferInput(name, datatype, shape, _UNATTACHED), offset
     binary = tensor_params.get(BINARY_SIZE)
     if binary is None:
         if "data" not in tensor:
             raise InvalidArgument(f"input {quote(name)}: neither data nor parameters.{BINARY_SIZE} given")
-        return InferInput(name, datatype, shape, RawSource(_json_tensor(name, datatype, shape, tensor["data"]))), offset
+        return InferInput(name, datatype, shape, FlatSource(_json_array(name, datatype, shape, tensor["data"]))), offset
     if "data" in tensor:
         raise InvalidArgument(f"input {quote(name)}: both data and parameters.{BINARY_SIZE} given")
     if isinstance(binary, bool) or not isinstance(binary, int) or binary < 0:
@@ -305,7 +288,7 @@ def _outputs(outputs: Any, parsed: InferBody) -> list[RequestedOutput]:
         plain = {key: v for key, v in out_params.items() if isinstance(v, bool | int | float | str)}
         requested.append(RequestedOutput(name, plain))
         if any(k in plain for k in shared_memory.PARAMETERS):
-            parsed.shared_outputs[name] = plain
+            parsed.shared_outputs.append(shared_memory.TensorRegion(name, plain))
         if "binary_data" in out_params:
             parsed.binary_outputs[name] = bool(out_params["binary_data"])
     return requested
@@ -383,9 +366,9 @@ def encode_infer(
     for name, array in response.outputs.items():
         shape, datatype, raw = list(array.shape), datatype_of(array), output_bytes(array)
         out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
-        placed = protocol.ModelInferResponse().outputs.add(name=name)
-        if memory is not None and memory.write(placed, array):
-            out["parameters"] = {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in placed.parameters.items()}
+        placed = memory.write(name, raw) if memory is not None else None
+        if placed is not None:
+            out["parameters"] = placed
         elif parsed.binary(name):
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
@@ -397,36 +380,3 @@ def encode_infer(
     if not binary:
         return header, None
     return b"".join([header, *binary]), len(header)
-
-
-def _numbers(message: Message, doc: Any) -> Any:
-    """Undo proto3 JSON's strings for 64-bit integers: Triton's REST answers carry numbers, and
-    perf_analyzer and tritonclient read them as numbers."""
-    if not isinstance(doc, dict):
-        return doc
-    for f in message.DESCRIPTOR.fields:
-        if f.name not in doc:
-            continue
-        value = getattr(message, f.name)
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            entry = f.message_type.fields_by_name["value"]
-            if entry.message_type is not None:
-                for key, sub in value.items():
-                    _numbers(sub, doc[f.name][str(key)])
-        elif f.message_type is not None:
-            subs = list(value) if f.label == FieldDescriptor.LABEL_REPEATED else [value]
-            targets = doc[f.name] if f.label == FieldDescriptor.LABEL_REPEATED else [doc[f.name]]
-            for sub, target in zip(subs, targets, strict=True):
-                _numbers(sub, target)
-        elif f.type in _INT64_TYPES:
-            doc[f.name] = [int(v) for v in doc[f.name]] if isinstance(doc[f.name], list) else int(doc[f.name])
-    return doc
-
-
-def message_json(message: Message) -> Any:
-    """A protocol message as Triton's REST API writes it: field names as in the .proto, every field
-    present (zeros too), enums by name, 64-bit integers as numbers."""
-    doc = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return _numbers(message, doc)

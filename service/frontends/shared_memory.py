@@ -4,7 +4,7 @@
 A region is a slice [offset, offset + byte_size) of a POSIX shared memory object, /dev/shm/KEY on the
 server's host, registered under a name. An input tensor whose parameters name a region
 (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`) is read from it instead of
-from the message; a requested output that names one is written into it, and the answer carries the
+from the request; a requested output that names one is written into it, and the answer carries the
 output's metadata only (docs/design.md, "System shared memory").
 
 The server keeps each object's file descriptor open and reads and writes it with pread/pwrite, never
@@ -16,7 +16,8 @@ Each request leases the regions its tensors name, from before its inputs are dec
 written. Unregistering takes a region out of the table at once (new requests get NOT_FOUND); its
 descriptor closes when the last lease ends, so a request in flight never reads or writes another object.
 Regions still leased count against the limits until then. Everything here runs on the event loop, except
-`RequestMemory`'s reads, which a worker thread may do while the request holds its leases.
+an input's read (`RegionSource`, a `TensorSource` the data plane reads, on a worker thread for a large
+request) while the request holds its leases.
 
 The server may open more than its clients may (it often runs as root), so it never acts on an object for a
 client beyond that client's own rights: the front end finds the peer's uid (service/frontends/peers.py);
@@ -34,20 +35,20 @@ from __future__ import annotations
 import os
 import stat
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import ip_address
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from service.callers import Caller, share_of
-from service.datatypes import NUMPY_DTYPES
+from service.datatypes import NUMPY_DTYPES, InputLimits
 from service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
-from service.frontends.codec import fill_output
+from service.frontends.codec import raw_array
 from service.frontends.peers import access
 from service.frontends.security import BearerTokens
+from service.serving.dataplane_types import Parameter, checked_shape
 
 __all__ = [
     "BYTE_SIZE",
@@ -55,13 +56,13 @@ __all__ = [
     "OFFSET",
     "PARAMETERS",
     "REGION",
+    "RegionSource",
     "RegionStatus",
     "RequestMemory",
     "SharedMemoryRegistry",
+    "TensorRegion",
     "check_may_change",
     "peer_host",
-    "place_output",
-    "shared_inputs",
 ]
 
 SHM_DIRECTORY = Path("/dev/shm")  # where shm_open puts a POSIX shared memory object
@@ -153,16 +154,25 @@ class _Placement:
     byte_size: int
 
 
-def _parameter(params: Any, key: str, kind: str, what: str) -> Any:
-    p = params[key]
-    which = p.WhichOneof("parameter_choice")
-    if which != kind:
-        wanted = "a string" if kind == "string_param" else "an integer"
+@dataclass(frozen=True)
+class TensorRegion:
+    """A tensor of a request as the regions see it, whatever its transport: its name and parameters (those that
+    may name a region); `has_data`: an input that carries contents of its own besides."""
+
+    name: str
+    parameters: Mapping[str, Parameter]
+    has_data: bool = False
+
+
+def _parameter(params: Mapping[str, Parameter], key: str, kind: type[str] | type[int], what: str) -> Parameter:
+    value = params[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        wanted = "a string" if kind is str else "an integer"
         raise InvalidArgument(f"{what}: parameter {key!r} must be {wanted}")
-    return getattr(p, which)
+    return value
 
 
-def _wanted(tensor: Any, what: str) -> tuple[str, int, int] | None:
+def _wanted(tensor: TensorRegion, what: str) -> tuple[str, int, int] | None:
     """A tensor's (region, offset, byte size) parameters, when it names a region."""
     params = tensor.parameters
     if REGION not in params:
@@ -170,25 +180,40 @@ def _wanted(tensor: Any, what: str) -> tuple[str, int, int] | None:
             if key in params:
                 raise InvalidArgument(f"{what}: parameter {key!r} without {REGION!r}")
         return None
-    name = _parameter(params, REGION, "string_param", what)
+    name = str(_parameter(params, REGION, str, what))
     if BYTE_SIZE not in params:
         raise InvalidArgument(f"{what}: parameter {BYTE_SIZE!r} must come with {REGION!r}")
-    byte_size = _parameter(params, BYTE_SIZE, "int64_param", what)
-    offset = _parameter(params, OFFSET, "int64_param", what) if OFFSET in params else 0
+    byte_size = int(_parameter(params, BYTE_SIZE, int, what))
+    offset = int(_parameter(params, OFFSET, int, what)) if OFFSET in params else 0
     return name, offset, byte_size
 
 
-def shared_inputs(request: Any) -> int:
-    """How many of a ModelInferRequest's inputs name a region (they have no raw_input_contents entry)."""
-    return sum(1 for t in request.inputs if REGION in t.parameters)
+@dataclass(frozen=True)
+class RegionSource:
+    """An input's elements in a leased region (service/serving/dataplane_types.py's `TensorSource`): read, one
+    pread into an array, only once its shape passed the model's limits and its byte size matches that shape.
+    `max_bytes`: the most a BYTES input may take (--max-message-bytes), as its size follows from no shape."""
 
+    placed: _Placement
+    max_bytes: int
 
-def _elements(tensor: Any) -> int:
-    """The elements an InferInputTensor's shape declares (its shape was checked before it is read)."""
-    count = 1
-    for d in tensor.shape:
-        count *= max(int(d), 0)
-    return count
+    def read(self, name: str, datatype: str, shape: Sequence[int], limits: InputLimits) -> np.ndarray:
+        checked, count = checked_shape(name, datatype, shape, limits)
+        placed = self.placed
+        if datatype != "BYTES":
+            needed = count * np.dtype(NUMPY_DTYPES[datatype]).itemsize
+            if placed.byte_size != needed:
+                raise InvalidArgument(
+                    f"input {quote(name)}: {BYTE_SIZE} is {placed.byte_size}, shape {list(checked)} of {datatype} "
+                    f"needs {needed} (region {quote(placed.region.name)})"
+                )
+        elif placed.byte_size > self.max_bytes:
+            raise InvalidArgument(
+                f"input {quote(name)}: {BYTE_SIZE} is {placed.byte_size}, the limit for BYTES is {self.max_bytes} "
+                "(--max-message-bytes)"
+            )
+        raw = placed.region.read(placed.offset, placed.byte_size)
+        return raw_array(name, datatype, checked, count, raw, limits)
 
 
 class RequestMemory:
@@ -202,7 +227,7 @@ class RequestMemory:
         self.inputs: dict[str, _Placement] = {}
         self.outputs: dict[str, _Placement] = {}
 
-    def _place(self, tensor: Any, what: str, write: bool) -> _Placement | None:
+    def _place(self, tensor: TensorRegion, what: str, write: bool) -> _Placement | None:
         wanted = _wanted(tensor, what)
         if wanted is None:
             return None
@@ -223,63 +248,34 @@ class RequestMemory:
             self._uid, self._uid_known = self._uid_of(), True
         return self._uid
 
-    def contents(self, tensor: Any) -> Callable[[], bytes] | None:
-        """An input's raw contents, read from its region when asked (after its shape passed its limits);
-        None for an input that names no region."""
-        placed = self.inputs.get(tensor.name)
+    def source(self, name: str) -> RegionSource | None:
+        """Where input `name`'s elements are, read when the data plane asks; None for an input that names no
+        region."""
+        placed = self.inputs.get(name)
+        return None if placed is None else RegionSource(placed, self._registry.max_tensor_bytes)
+
+    def write(self, name: str, data: bytes) -> dict[str, Parameter] | None:
+        """Output `name`'s raw contents written into its region, and the parameters that say where they went
+        (`shared_memory_byte_size`: the bytes written); None when it names no region."""
+        placed = self.outputs.get(name)
         if placed is None:
             return None
-
-        def read() -> bytes:
-            datatype, name = tensor.datatype, quote(tensor.name)
-            if datatype != "BYTES":
-                needed = _elements(tensor) * np.dtype(NUMPY_DTYPES[datatype]).itemsize
-                if placed.byte_size != needed:
-                    raise InvalidArgument(
-                        f"input {name}: {BYTE_SIZE} is {placed.byte_size}, shape {list(tensor.shape)} of {datatype} "
-                        f"needs {needed} (region {quote(placed.region.name)})"
-                    )
-            elif placed.byte_size > self._registry.max_tensor_bytes:
-                raise InvalidArgument(
-                    f"input {name}: {BYTE_SIZE} is {placed.byte_size}, the limit for BYTES is "
-                    f"{self._registry.max_tensor_bytes} (--max-message-bytes)"
-                )
-            return placed.region.read(placed.offset, placed.byte_size)
-
-        return read
-
-    def write(self, tensor: Any, array: np.ndarray) -> bool:
-        """An output written into its region, with its metadata set on `tensor` and the parameters that say
-        where it went (`shared_memory_byte_size`: the bytes written); False when it names no region."""
-        placed = self.outputs.get(tensor.name)
-        if placed is None:
-            return False
-        data = fill_output(tensor, array)  # name-independent metadata, and the little-endian bytes
         if len(data) > placed.byte_size:
             raise InvalidArgument(
-                f"output {quote(tensor.name)} is {len(data)} bytes, its {BYTE_SIZE} in region "
+                f"output {quote(name)} is {len(data)} bytes, its {BYTE_SIZE} in region "
                 f"{quote(placed.region.name)} is {placed.byte_size}"
             )
         placed.region.write(placed.offset, memoryview(data))
-        tensor.parameters[REGION].string_param = placed.region.name
-        tensor.parameters[BYTE_SIZE].int64_param = len(data)
+        where: dict[str, Parameter] = {REGION: placed.region.name, BYTE_SIZE: len(data)}
         if placed.offset:
-            tensor.parameters[OFFSET].int64_param = placed.offset
-        return True
+            where[OFFSET] = placed.offset
+        return where
 
     def close(self) -> None:
         """Every lease handed back (once: later calls do nothing)."""
         leased, self._leased = self._leased, []
         for region in leased:
             self._registry.release(region)
-
-
-def place_output(memory: RequestMemory | None, tensor: Any, array: np.ndarray) -> bytes:
-    """An output's raw contents for the answer: b"" for one written into a region (every output keeps its
-    entry in raw_output_contents, as Triton's do)."""
-    if memory is not None and memory.write(tensor, array):
-        return b""
-    return fill_output(tensor, array)
 
 
 def _key_name(key: str) -> str:
@@ -472,23 +468,28 @@ class SharedMemoryRegistry:
         if region.leases == 0 and not region.registered:
             self._close(region)
 
-    def attach(self, request: Any, uid: Callable[[], int | None], caller: Caller | None = None) -> RequestMemory | None:
-        """The regions a ModelInferRequest's tensors name, leased, bounds- and rights-checked (`uid`: the
-        requesting user, asked for only when a tensor names a region); None when it names none."""
-        if not any(len(t.parameters) for t in (*request.inputs, *request.outputs)):
-            return None  # most requests: no tensor has a parameter, so none names a region
+    def attach(
+        self,
+        inputs: Iterable[TensorRegion],
+        outputs: Iterable[TensorRegion],
+        uid: Callable[[], int | None],
+        caller: Caller | None = None,
+    ) -> RequestMemory | None:
+        """The regions a request's tensors name, leased, bounds- and rights-checked (`uid`: the requesting user,
+        asked for only when a tensor names a region); None when they name none. A front end hands over only
+        the tensors that have parameters: most have none."""
         memory = RequestMemory(self, _owner(caller), uid)
         try:
-            for tensor in request.inputs:
+            for tensor in inputs:
                 if not len(tensor.parameters):
                     continue
                 what = f"input {quote(tensor.name)}"
                 placed = memory._place(tensor, what, write=False)
                 if placed is not None:
-                    if tensor.HasField("contents"):
+                    if tensor.has_data:
                         raise InvalidArgument(f"{what}: both contents and a shared memory region given")
                     memory.inputs[tensor.name] = placed
-            for tensor in request.outputs:
+            for tensor in outputs:
                 if not len(tensor.parameters):
                     continue
                 placed = memory._place(tensor, f"output {quote(tensor.name)}", write=True)

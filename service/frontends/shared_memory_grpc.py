@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
+from grpc.aio import ServicerContext as Context
 
 from service import protocol
 from service.errors import ServingError
@@ -16,6 +17,8 @@ from service.frontends.peers import Address, grpc_peer_uid
 from service.frontends.security import BearerTokens
 
 __all__ = ["SharedMemoryService"]
+
+T = TypeVar("T")
 
 
 class SharedMemoryService:
@@ -34,44 +37,54 @@ class SharedMemoryService:
             host, authorization if isinstance(authorization, str) else None, self.tokens, what
         )
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, context: Context, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
+            raise AssertionError("abort raises") from e  # grpc's abort raises, untyped
 
     async def _uid(self, context: grpc.aio.ServicerContext) -> int | None:
         """The local user of the peer, when it is one of this host's (service/frontends/peers.py): on a thread,
         as where the kernel has no sock_diag it is looked for in /proc/net/tcp, 10-20 ms."""
         return await asyncio.to_thread(grpc_peer_uid, context.peer(), self.address())
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryStatus(
+        self, request: protocol.SystemSharedMemoryStatusRequest, context: Context
+    ) -> protocol.SystemSharedMemoryStatusResponse:
         response = protocol.SystemSharedMemoryStatusResponse()
         caller = self.tokens.caller_of(context.invocation_metadata())
         for s in await self._call(context, self.regions.status, request.name, caller):
             response.regions[s.name].CopyFrom(response.RegionStatus(**vars(s)))
         return response
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryRegister(
+        self, request: protocol.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> protocol.SystemSharedMemoryRegisterResponse:
         await self._call(context, self._may_change, context, "registering shared memory")
         where = (request.name, request.key, request.offset, request.byte_size)
         uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
         await self._call(context, self.regions.register, *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryUnregister(
+        self, request: protocol.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> protocol.SystemSharedMemoryUnregisterResponse:
         await self._call(context, self._may_change, context, "unregistering shared memory")
         caller = self.tokens.caller_of(context.invocation_metadata())
         await self._call(context, self.regions.unregister, request.name, caller)
         return protocol.SystemSharedMemoryUnregisterResponse()
 
-    async def _no_cuda(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _no_cuda(self, request: protocol.Message, context: Context) -> NoReturn:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, shared_memory.CUDA_UNIMPLEMENTED)
+        raise AssertionError("abort raises")
 
     CudaSharedMemoryStatus = CudaSharedMemoryRegister = _no_cuda
 
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def CudaSharedMemoryUnregister(
+        self, request: protocol.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> protocol.CudaSharedMemoryUnregisterResponse:
         # Every region (no name): there is none, so done; Triton's examples begin so.
         if request.name:
             await self._no_cuda(request, context)
-        return protocol.message_class("CudaSharedMemoryUnregisterResponse")()
+        return protocol.CudaSharedMemoryUnregisterResponse()

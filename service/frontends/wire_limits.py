@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from service import protocol
 from service.datatypes import MAX_BYTES_ELEMENTS
@@ -173,7 +173,7 @@ def over_limit(data: bytes) -> Refused | None:
 _parse = protocol.ModelInferRequest.FromString
 
 
-def infer_request_deserializer(data: bytes) -> Message | protocol.Undecodable:
+def infer_request_deserializer(data: bytes) -> protocol.ModelInferRequest | protocol.Undecodable:
     """gRPC's request_deserializer for ModelInfer and ModelStreamInfer: a large message walked first."""
     if len(data) > WALKED_BYTES and (refused := over_limit(data)) is not None:
         return refused

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
@@ -63,6 +63,7 @@ __all__ = [
     "input_limits",
     "lifecycle",
     "load_checked",
+    "recognised",
 ]
 
 # The batching settings a kind that tunes them shows (ModelConfig parameters, qkv_batching_setting).
@@ -76,6 +77,10 @@ BUILT_IN = {
     "generation": "service.models.generation.model:KIND",
 }
 ENTRY_POINTS = "qkv.kinds"  # the entry point group an installed package registers its kinds in
+# The built-in kinds asked, most particular first, whether a folder whose config names no kind is theirs;
+# FOLDER_KIND serves any other (an ONNX graph, tensors in and out).
+RECOGNISING = ("ensemble", "generation", "text")
+FOLDER_KIND = "tensor"
 
 
 Tensors = dict[str, np.ndarray]
@@ -163,6 +168,10 @@ class Kind:
     build: KindFactory  # sessions built (at compute priority, through context.compute), not yet warm
     limits: tuple[str, ...] = ()  # the keys its config.json `limits` may hold
     sections: tuple[str, ...] = ()  # the config.json sections only it reads ("text")
+    # A version folder whose config names no kind is this kind's when its platform is one of these (Triton's
+    # "ensemble"), or when `recognises` says the folder's files are its (an exported text model).
+    platforms: tuple[str, ...] = ()
+    recognises: Callable[[Path], bool] | None = None
 
 
 # Capabilities: what some kinds do beyond the core, each asked for by `capability(model, Cap)`.
@@ -344,6 +353,7 @@ def find_kind(name: str, file: Path | str | None = None) -> Kind:
 def check(config: ModelConfig) -> Kind:
     """`config` against its kind's schema: the kind exists, and its limits and sections are its kind's; a
     ConfigError naming the file and the key."""
+    config = recognised(config)
     file = _config_file(config)
     kind = find_kind(config.kind, file)
     unknown = sorted(set(config.limits) - set(kind.limits))
@@ -353,16 +363,32 @@ def check(config: ModelConfig) -> Kind:
             f"{file}: unknown limit(s) {unknown} for a {config.kind} model; known: {sorted(kind.limits)}",
             file,
         )
-    if config.text and "text" not in kind.sections:
-        raise ConfigError(
-            "text", f"{file}: text is a section of the text kind's config, not of a {config.kind} model", file
-        )
+    for section, given in (("text", bool(config.text)), ("ensemble_scheduling", config.ensemble is not None)):
+        if given and section not in kind.sections:
+            owner = next((n for n in BUILT_IN if section in find_kind(n).sections), "another")
+            raise ConfigError(
+                section,
+                f"{file}: {section} is a section of the {owner} kind's config, not of a {config.kind} model",
+                file,
+            )
     return kind
+
+
+def recognised(config: ModelConfig) -> ModelConfig:
+    """`config` with its kind: the one config.json names, else the first of RECOGNISING whose platforms or
+    files the version folder matches, else FOLDER_KIND."""
+    if config.kind:
+        return config
+    for name in RECOGNISING:
+        kind = find_kind(name)
+        if config.platform in kind.platforms or (kind.recognises is not None and kind.recognises(config.directory)):
+            return replace(config, kind=name)
+    return replace(config, kind=FOLDER_KIND)
 
 
 def load_checked(directory: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
     """The configurations of the model in `directory` (layout.load_model), each checked against its kind."""
-    configs = load_model(directory, raw)
+    configs = [recognised(config) for config in load_model(directory, raw)]
     for config in configs:
         check(config)
     return configs

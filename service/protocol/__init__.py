@@ -20,12 +20,12 @@ import traceback
 from collections.abc import Callable
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, MethodDescriptor, ServiceDescriptor
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -35,11 +35,14 @@ __all__ = [
     "POOL",
     "SERVICE",
     "SERVICE_NAME",
+    "CudaSharedMemoryUnregisterRequest",
+    "CudaSharedMemoryUnregisterResponse",
     "DataType",
     "InferBatchStatistics",
     "InferParameter",
     "InferStatistics",
     "InferTensorContents",
+    "Message",
     "ModelConfig",
     "ModelConfigRequest",
     "ModelConfigResponse",
@@ -54,6 +57,7 @@ __all__ = [
     "ModelParameter",
     "ModelReadyRequest",
     "ModelReadyResponse",
+    "ModelRepositoryParameter",
     "ModelStatistics",
     "ModelStatisticsRequest",
     "ModelStatisticsResponse",
@@ -124,56 +128,114 @@ def message_class(name: str) -> type[Message]:
     raise KeyError(f"no message {name!r} in the inference protocol")
 
 
-# Health and metadata
-ServerLiveRequest = message_class("ServerLiveRequest")
-ServerLiveResponse = message_class("ServerLiveResponse")
-ServerReadyRequest = message_class("ServerReadyRequest")
-ServerReadyResponse = message_class("ServerReadyResponse")
-ModelReadyRequest = message_class("ModelReadyRequest")
-ModelReadyResponse = message_class("ModelReadyResponse")
-ServerMetadataRequest = message_class("ServerMetadataRequest")
-ServerMetadataResponse = message_class("ServerMetadataResponse")
-ModelMetadataRequest = message_class("ModelMetadataRequest")
-ModelMetadataResponse = message_class("ModelMetadataResponse")
-# Inference
-InferParameter = message_class("InferParameter")
-InferTensorContents = message_class("InferTensorContents")
-ModelInferRequest = message_class("ModelInferRequest")
-ModelInferResponse = message_class("ModelInferResponse")
-ModelStreamInferResponse = message_class("ModelStreamInferResponse")
-# Triton extension: model configuration (model_config.proto)
-ModelConfigRequest = message_class("ModelConfigRequest")
-ModelConfigResponse = message_class("ModelConfigResponse")
-ModelConfig = message_class("ModelConfig")
-ModelInput = message_class("ModelInput")
-ModelOutput = message_class("ModelOutput")
-ModelDynamicBatching = message_class("ModelDynamicBatching")
-ModelInstanceGroup = message_class("ModelInstanceGroup")
-ModelParameter = message_class("ModelParameter")
-# Triton extension: statistics
-ModelStatisticsRequest = message_class("ModelStatisticsRequest")
-ModelStatisticsResponse = message_class("ModelStatisticsResponse")
-ModelStatistics = message_class("ModelStatistics")
-InferStatistics = message_class("InferStatistics")
-InferBatchStatistics = message_class("InferBatchStatistics")
-StatisticDuration = message_class("StatisticDuration")
-# Triton extension: model repository
-RepositoryIndexRequest = message_class("RepositoryIndexRequest")
-RepositoryIndexResponse = message_class("RepositoryIndexResponse")
-RepositoryModelLoadRequest = message_class("RepositoryModelLoadRequest")
-RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
-RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
-RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
-# Triton extension: system shared memory (CUDA shared memory's messages: message_class, by name)
-SystemSharedMemoryStatusRequest = message_class("SystemSharedMemoryStatusRequest")
-SystemSharedMemoryStatusResponse = message_class("SystemSharedMemoryStatusResponse")
-SystemSharedMemoryRegisterRequest = message_class("SystemSharedMemoryRegisterRequest")
-SystemSharedMemoryRegisterResponse = message_class("SystemSharedMemoryRegisterResponse")
-SystemSharedMemoryUnregisterRequest = message_class("SystemSharedMemoryUnregisterRequest")
-SystemSharedMemoryUnregisterResponse = message_class("SystemSharedMemoryUnregisterResponse")
-# ORCA out-of-band load reports (proto/xds/)
-OrcaLoadReport = message_class("xds.data.orca.v3.OrcaLoadReport")
-OrcaLoadReportRequest = message_class("xds.service.orca.v3.OrcaLoadReportRequest")
+# The classes, built from the pool at run time; the type checker reads them from _messages.pyi, which
+# proto/stubs.py writes from the same descriptor set (tests/protocol keeps it up to date).
+if TYPE_CHECKING:
+    from service.protocol._messages import (
+        CudaSharedMemoryUnregisterRequest,
+        CudaSharedMemoryUnregisterResponse,
+        InferBatchStatistics,
+        InferParameter,
+        InferStatistics,
+        InferTensorContents,
+        ModelConfig,
+        ModelConfigRequest,
+        ModelConfigResponse,
+        ModelDynamicBatching,
+        ModelInferRequest,
+        ModelInferResponse,
+        ModelInput,
+        ModelInstanceGroup,
+        ModelMetadataRequest,
+        ModelMetadataResponse,
+        ModelOutput,
+        ModelParameter,
+        ModelReadyRequest,
+        ModelReadyResponse,
+        ModelRepositoryParameter,
+        ModelStatistics,
+        ModelStatisticsRequest,
+        ModelStatisticsResponse,
+        ModelStreamInferResponse,
+        OrcaLoadReport,
+        OrcaLoadReportRequest,
+        RepositoryIndexRequest,
+        RepositoryIndexResponse,
+        RepositoryModelLoadRequest,
+        RepositoryModelLoadResponse,
+        RepositoryModelUnloadRequest,
+        RepositoryModelUnloadResponse,
+        ServerLiveRequest,
+        ServerLiveResponse,
+        ServerMetadataRequest,
+        ServerMetadataResponse,
+        ServerReadyRequest,
+        ServerReadyResponse,
+        StatisticDuration,
+        SystemSharedMemoryRegisterRequest,
+        SystemSharedMemoryRegisterResponse,
+        SystemSharedMemoryStatusRequest,
+        SystemSharedMemoryStatusResponse,
+        SystemSharedMemoryUnregisterRequest,
+        SystemSharedMemoryUnregisterResponse,
+    )
+    from service.protocol._messages import _Message as Message
+else:
+    from google.protobuf.message import Message  # every message class's base
+
+    # Health and metadata
+    ServerLiveRequest = message_class("ServerLiveRequest")
+    ServerLiveResponse = message_class("ServerLiveResponse")
+    ServerReadyRequest = message_class("ServerReadyRequest")
+    ServerReadyResponse = message_class("ServerReadyResponse")
+    ModelReadyRequest = message_class("ModelReadyRequest")
+    ModelReadyResponse = message_class("ModelReadyResponse")
+    ServerMetadataRequest = message_class("ServerMetadataRequest")
+    ServerMetadataResponse = message_class("ServerMetadataResponse")
+    ModelMetadataRequest = message_class("ModelMetadataRequest")
+    ModelMetadataResponse = message_class("ModelMetadataResponse")
+    # Inference
+    InferParameter = message_class("InferParameter")
+    InferTensorContents = message_class("InferTensorContents")
+    ModelInferRequest = message_class("ModelInferRequest")
+    ModelInferResponse = message_class("ModelInferResponse")
+    ModelStreamInferResponse = message_class("ModelStreamInferResponse")
+    # Triton extension: model configuration (model_config.proto)
+    ModelConfigRequest = message_class("ModelConfigRequest")
+    ModelConfigResponse = message_class("ModelConfigResponse")
+    ModelConfig = message_class("ModelConfig")
+    ModelInput = message_class("ModelInput")
+    ModelOutput = message_class("ModelOutput")
+    ModelDynamicBatching = message_class("ModelDynamicBatching")
+    ModelInstanceGroup = message_class("ModelInstanceGroup")
+    ModelParameter = message_class("ModelParameter")
+    # Triton extension: statistics
+    ModelStatisticsRequest = message_class("ModelStatisticsRequest")
+    ModelStatisticsResponse = message_class("ModelStatisticsResponse")
+    ModelStatistics = message_class("ModelStatistics")
+    InferStatistics = message_class("InferStatistics")
+    InferBatchStatistics = message_class("InferBatchStatistics")
+    StatisticDuration = message_class("StatisticDuration")
+    # Triton extension: model repository
+    RepositoryIndexRequest = message_class("RepositoryIndexRequest")
+    RepositoryIndexResponse = message_class("RepositoryIndexResponse")
+    ModelRepositoryParameter = message_class("ModelRepositoryParameter")
+    RepositoryModelLoadRequest = message_class("RepositoryModelLoadRequest")
+    RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
+    RepositoryModelUnloadRequest = message_class("RepositoryModelUnloadRequest")
+    RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
+    # Triton extension: system shared memory (CUDA shared memory's others: message_class, by name)
+    CudaSharedMemoryUnregisterRequest = message_class("CudaSharedMemoryUnregisterRequest")
+    CudaSharedMemoryUnregisterResponse = message_class("CudaSharedMemoryUnregisterResponse")
+    SystemSharedMemoryStatusRequest = message_class("SystemSharedMemoryStatusRequest")
+    SystemSharedMemoryStatusResponse = message_class("SystemSharedMemoryStatusResponse")
+    SystemSharedMemoryRegisterRequest = message_class("SystemSharedMemoryRegisterRequest")
+    SystemSharedMemoryRegisterResponse = message_class("SystemSharedMemoryRegisterResponse")
+    SystemSharedMemoryUnregisterRequest = message_class("SystemSharedMemoryUnregisterRequest")
+    SystemSharedMemoryUnregisterResponse = message_class("SystemSharedMemoryUnregisterResponse")
+    # ORCA out-of-band load reports (proto/xds/)
+    OrcaLoadReport = message_class("xds.data.orca.v3.OrcaLoadReport")
+    OrcaLoadReportRequest = message_class("xds.service.orca.v3.OrcaLoadReportRequest")
 
 
 class DataType(enum.IntEnum):

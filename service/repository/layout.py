@@ -47,7 +47,6 @@ __all__ = [
     "dependencies",
     "fingerprint",
     "folder_json",
-    "is_generation_folder",
     "load_model",
     "load_model_config",
     "load_repository",
@@ -151,7 +150,7 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    kind: str
+    kind: str  # "" until the kinds recognise the folder (models/catalog.py `recognised`), when config.json names none
     version: str
     directory: Path  # the version directory
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -188,6 +187,7 @@ class ModelConfig:
     preferred_batch_sizes: tuple[int, ...] = ()  # dynamic_batching.preferred_batch_size: batches cut to them
     # Text models: config.json's "text" section, read by the kind (service/models/text/settings.py).
     text: dict[str, Any] = field(default_factory=dict)
+    platform: str = ""  # Triton's platform, where the config gives one ("ensemble": the ensemble kind's)
 
 
 def _integer(value: Any) -> bool:
@@ -276,7 +276,7 @@ TRITON_FIELDS = frozenset({
     "model_repository_agents",
 })  # fmt: skip
 OPTIMIZATIONS = ("disable", "basic", "extended", "all")
-ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble: the kind, when config.json names none
+ENSEMBLE_PLATFORM = "ensemble"  # Triton's platform of an ensemble, the one platform qkv reads
 _DECLARATION_KEYS = ("name", "datatype", "shape")
 # Triton's optional fields of a declaration: an input's image layout, a shape the graph sees instead of the
 # client's, and an output's class labels (one a line, in the model's directory) for classification.
@@ -356,33 +356,6 @@ def parse_config(text: str | bytes) -> Any:
     return raw
 
 
-CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")  # config.json architectures of a decoder-only generator
-
-
-def is_generation_folder(directory: Path) -> bool:
-    """Whether a version directory holds a generation model as optimum exports it, tokenizer included: an
-    encoder with its decoders (text2text-generation-with-past), or model.onnx of a causal LM (its
-    config.json's architectures) with past (text-generation-with-past)."""
-    if not (directory / "tokenizer.json").is_file():
-        return False
-    has = {p.name for p in directory.glob("*.onnx")}
-    if "encoder_model.onnx" in has:
-        return "decoder_model_merged.onnx" in has or {"decoder_model.onnx", "decoder_with_past_model.onnx"} <= has
-    if "model.onnx" not in has or not (directory / "config.json").is_file():
-        return False
-    try:
-        if (directory / "config.json").stat().st_size > MAX_CONFIG_BYTES:
-            return False
-        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    architectures = hf.get("architectures") if isinstance(hf, dict) else None
-    causal = isinstance(architectures, list) and any(
-        isinstance(a, str) and a.endswith(CAUSAL_ARCHITECTURES) for a in architectures
-    )
-    return causal and bool(hf.get("use_cache", True))
-
-
 def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str, Any] | None = None) -> ModelConfig:
     """The configuration of one version of the model in `model_dir` (the newest when `version` is None).
 
@@ -408,16 +381,8 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     at = f"{where}: {'config.json' if triton is None else triton.source}"
     _top_level(raw, at)  # every value is checked against its type before anything reads it
     platform = _typed_value("str", raw.get("platform", ""), "platform", at)  # Triton's: only "ensemble" says anything
-    # a folder as Hugging Face exports it (model.onnx beside tokenizer.json) is a text model, or a generation
-    # model when its graphs generate (an encoder with decoders, or a causal LM with past)
-    text_folder = (model_dir / chosen / "tokenizer.json").is_file()
-    default_kind = (
-        "ensemble" if platform == ENSEMBLE_PLATFORM
-        else "generation" if is_generation_folder(model_dir / chosen)
-        else "text" if text_folder
-        else "tensor"
-    )  # fmt: skip
-    kind = _typed_value("str", raw.get("kind", default_kind), "kind", at)  # its kind's: models/catalog.py
+    # "": the kind the version folder's files say, which the kinds themselves recognise (models/catalog.py)
+    kind = _typed_value("str", raw.get("kind", ""), "kind", at)
     _typed_value("str", raw.get("name", ""), "name", at)  # Triton's; the directory names the model
     if not isinstance(raw.get("batching", {}), dict):
         raise RepositoryError(f"{at}: batching must be a JSON object, got {_shown(raw['batching'])}")
@@ -458,7 +423,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
             sequence = parse_sequence_batching(raw["sequence_batching"])
         except SequenceConfigError as e:
             raise RepositoryError(f"{at}: {e}") from None
-    ensemble = _ensemble(raw.get("ensemble_scheduling"), kind, name, inputs, outputs, at)
+    ensemble = _ensemble(raw.get("ensemble_scheduling"), name, inputs, outputs, at)
     text = raw.get("text", {})
     if not isinstance(text, dict):  # read by the kind that has the section (models/catalog.py `check`)
         raise RepositoryError(f"{at}: text must be a JSON object, got {_shown(text)}")
@@ -472,6 +437,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     return ModelConfig(
         name=name,
         kind=kind,
+        platform=platform,
         version=chosen,
         directory=model_dir / chosen,
         batching=BatchingConfig(**batching),
@@ -525,19 +491,14 @@ def _providers() -> list[str]:
 
 def _ensemble(
     raw: Any,
-    kind: str,
     name: str,
     inputs: tuple[dict[str, Any], ...],
     outputs: tuple[dict[str, Any], ...],
     at: str,
 ) -> EnsembleConfig | None:
-    """An ensemble's steps: required of the ensemble kind, refused for any other."""
-    if kind != "ensemble":
-        if raw is not None:
-            raise RepositoryError(f"{at}: ensemble_scheduling is for an ensemble (kind 'ensemble'), not a {kind} model")
-        return None
+    """An ensemble's steps, where config.json gives them (a kind without the section refuses them: catalog.check)."""
     if raw is None:
-        raise RepositoryError(f"{at}: an ensemble needs ensemble_scheduling (its steps)")
+        return None
     try:
         return parse_ensemble_scheduling(raw, name, [d["name"] for d in inputs], [d["name"] for d in outputs])
     except EnsembleConfigError as e:

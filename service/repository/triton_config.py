@@ -188,7 +188,7 @@ class _Reader:
                 f"{given}: qkv serves ONNX graphs (platform onnxruntime_onnx, backend onnxruntime) and ensembles "
                 "(platform ensemble)",
             )
-        return "tensor"
+        return platform or "onnxruntime_onnx"
 
     def tensor(self, d: dict[str, Any], section: str, i: int) -> dict[str, Any]:
         at = f"{section}[{i}]"
@@ -356,9 +356,9 @@ class _Reader:
 
     def read(self) -> None:
         t = self.t
-        kind = self.platform()
-        if kind == "ensemble":
-            self.raw["kind"] = "ensemble"
+        platform = self.platform()
+        if platform == "ensemble":  # Triton's platform, which the ensemble kind claims (models/catalog.py)
+            self.raw["platform"] = platform
         for key in ("name", "max_batch_size", "version_policy", "sequence_batching", "ensemble_scheduling",
                     "response_cache"):  # fmt: skip
             if key in t:

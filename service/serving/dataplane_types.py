@@ -1,11 +1,12 @@
 """The data plane's request and answer, free of any transport: what gRPC and REST decode into.
 
 An input's elements are not in the request: it holds a `TensorSource`, where they are, read only once the
-model is known and the tensor's declared shape has passed that model's limits. gRPC's message and REST's
-body are sources today (service/frontends/codec.py); a shared-memory region is one more, and so is an
-array handed over in the process (`ArraySource`). Inputs, outputs and parameters are sequences and
-mappings so that a front end may hand them over as views of its message: the data plane counts them
-(len, which builds nothing) before it reads any.
+model is known and the tensor's declared shape has passed that model's limits. A gRPC message's tensor
+(service/frontends/grpc_codec.py), REST's binary data or JSON values (service/frontends/codec.py), a
+shared-memory region (service/frontends/shared_memory.py) and an array handed over in the process
+(`ArraySource`) are sources: none of them is a protobuf message but gRPC's own. Inputs, outputs and
+parameters are sequences and mappings so that a front end may hand them over as views of its message: the
+data plane counts them (len, which builds nothing) before it reads any.
 """
 
 from __future__ import annotations

@@ -135,7 +135,16 @@ def test_message_class_names() -> None:
     assert protocol.message_class("grpc.health.v1.HealthCheckRequest").DESCRIPTOR.file.pool is protocol.POOL
     with pytest.raises(KeyError, match="NoSuchMessage"):
         protocol.message_class("NoSuchMessage")
-    not_messages = {"POOL", "SERVICE", "SERVICE_NAME", "ORCA_SERVICE", "ORCA_SERVICE_NAME", "DataType", "Stub"}
+    not_messages = {
+        "POOL",
+        "SERVICE",
+        "SERVICE_NAME",
+        "ORCA_SERVICE",
+        "ORCA_SERVICE_NAME",
+        "DataType",
+        "Stub",
+        "Message",
+    }
     orca = {"OrcaLoadReport": "xds.data.orca.v3", "OrcaLoadReportRequest": "xds.service.orca.v3"}
     for name in protocol.__all__:
         if name[0].isupper() and name not in not_messages | {"Undecodable"}:

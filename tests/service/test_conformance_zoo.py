@@ -35,7 +35,7 @@ from tritonclient.utils import InferenceServerException
 
 from service import protocol
 from service.datatypes import NUMPY_DTYPES, decode_bytes, encode_bytes
-from service.frontends.codec import CONTENTS_FIELD
+from service.frontends.grpc_codec import CONTENTS_FIELD
 from tests.conftest import RunningServer, start_server, stop_server
 
 DATATYPES = list(NUMPY_DTYPES)  # the 13 the server serves; BF16 is refused (see below)

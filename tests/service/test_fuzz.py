@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from service import protocol
 from service.datatypes import NUMPY_DTYPES, encode_bytes
-from service.frontends.codec import CONTENTS_FIELD
+from service.frontends.grpc_codec import CONTENTS_FIELD
 from service.tools.client import g2p_outputs, g2p_request
 from tests.conftest import MODELS, RunningServer, scale_model, start_server, stop_server
 

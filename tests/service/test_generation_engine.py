@@ -19,10 +19,12 @@ import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
 from service.errors import InvalidArgument, ResourceExhausted
+from service.models.catalog import recognised
 from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
 from service.models.generation.engine import Sequence
+from service.models.generation.graphs import Seq2SeqGraphs
 from service.models.generation.model import GenerationModel
 from service.repository.layout import load_model_config
 from tests.conftest import RunningServer
@@ -64,7 +66,7 @@ def expected() -> dict[str, list[list[int]]]:
 
 
 def _model(repo: Path, architecture: str, **limits: Any) -> GenerationModel:
-    config = load_model_config(repo / architecture)
+    config = recognised(load_model_config(repo / architecture))
     if limits:
         from dataclasses import replace
 
@@ -93,11 +95,11 @@ async def _collect(model: GenerationModel, request: GenerationRequest) -> list[G
 
 def test_an_exported_folder_with_a_tokenizer_is_a_generation_model(repo: Path, tmp_path: Path) -> None:
     for architecture in ARCHITECTURES:
-        assert load_model_config(repo / architecture).kind == "generation"
+        assert recognised(load_model_config(repo / architecture)).kind == "generation"
     bare = tmp_path / "gpt2"  # the graph alone (no tokenizer): a tensor model, as before
     (bare / "1").mkdir(parents=True)
     shutil.copy(repo / "gpt2" / "1" / "model.onnx", bare / "1" / "model.onnx")
-    assert load_model_config(bare).kind == "tensor"
+    assert recognised(load_model_config(bare)).kind == "tensor"
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -396,8 +398,90 @@ def test_decoding_rows_far_apart_in_length_run_in_separate_calls() -> None:
     assert all(max(g) <= 2 * min(g) + PAD_SLACK for g in groups)
 
 
-def test_new_encoder_decoder_sequences_join_a_running_batch_together(repo: Path) -> None:
-    engine = _model(repo, "t5").engine
+def _decoder_calls(model: GenerationModel) -> list[list[int]]:
+    """The self-attention cache lengths (pads left out) of the rows of each decoder-with-past call from now on."""
+    graph = model.engine.graph
+    assert isinstance(graph, Seq2SeqGraphs)
+    calls: list[list[int]] = []
+    step = graph.step
+
+    def recorded(ids: Any, mask: Any, past: Any, self_mask: Any = None) -> Any:
+        own = past[graph.past.self_attention.index(True)]
+        calls.append([int(n) - 1 for n in self_mask.sum(axis=1)] if graph.masked else [own.shape[2]] * len(ids))
+        return step(ids, mask, past, self_mask)
+
+    graph.step = recorded  # type: ignore[method-assign]
+    return calls
+
+
+def _greedy_under_concurrency(model: GenerationModel, prompts: tuple[str, ...]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        model.start()
+        window = asyncio.Semaphore(16)
+
+        async def one(prompt: str) -> list[int]:
+            async with window:
+                chunks = await _collect(model, GenerationRequest(tuple(model.encode(prompt)), MAX_TOKENS))
+                return [t for c in chunks for t in c.token_ids]
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await model.close()
+
+    return asyncio.run(run())
+
+
+def test_t5_decoder_rows_of_different_lengths_share_a_call(repo: Path, expected: dict[str, list[list[int]]]) -> None:
+    model = _model(repo, "t5")
+    graph = model.engine.graph
+    assert isinstance(graph, Seq2SeqGraphs) and graph.masked  # the decoder was given a self-attention mask
+    calls = _decoder_calls(model)
+    assert _greedy_under_concurrency(model, PROMPTS[:32]) == expected["t5"][:32]
+    mixed = [c for c in calls if len(set(c)) > 1]
+    assert mixed and max(len(c) for c in mixed) > 8  # rows that joined at different steps decoded together
+    assert max(max(c) - min(c) for c in mixed) > 8
+
+
+def _unmasked_t5(repo: Path, root: Path) -> Path:
+    """The T5 folder with the two decoders and no merged one, the decoder with past's self-attention
+    scores put through a Mul by 1 before their Softmax: a graph whose softmaxes masking.py does not know."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    folder = root / "t5-unmasked"
+    shutil.copytree(repo / "t5", folder)
+    (folder / "1" / "decoder_model_merged.onnx").unlink()
+    path = folder / "1" / "decoder_with_past_model.onnx"
+    model = onnx.load(path)
+    graph = model.graph
+    graph.initializer.append(numpy_helper.from_array(np.array(1.0, dtype=np.float32), "qkv_test_one"))
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Softmax" and "SelfAttention" in node.name:
+            scaled = node.input[0] + "/times_one"
+            nodes.append(helper.make_node("Mul", [node.input[0], "qkv_test_one"], [scaled], name=scaled))
+            node.input[0] = scaled
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, path)
+    return folder
+
+
+def test_a_decoder_whose_softmax_is_not_recognised_runs_rows_of_equal_length(
+    repo: Path, expected: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    model = _model(_unmasked_t5(repo, tmp_path).parent, "t5-unmasked")
+    graph = model.engine.graph
+    assert isinstance(graph, Seq2SeqGraphs) and not graph.masked and not graph.merged
+    calls = _decoder_calls(model)
+    assert _greedy_under_concurrency(model, PROMPTS[:24]) == expected["t5"][:24]
+    assert calls and all(len(set(c)) == 1 for c in calls)  # every call's rows of one length
+
+
+def test_new_encoder_decoder_sequences_join_together_only_where_rows_run_by_length(repo: Path, tmp_path: Path) -> None:
+    engine = _model(_unmasked_t5(repo, tmp_path).parent, "t5-unmasked").engine
     engine.running = [_sequence()]
     engine.waiting = [_sequence(), _sequence()]
     engine._admit()
@@ -408,3 +492,7 @@ def test_new_encoder_decoder_sequences_join_a_running_batch_together(repo: Path)
     engine.running, engine.waiting = [], [_sequence()]
     engine._admit()
     assert len(engine.running) == 1  # an idle engine starts a request at once
+    masked = _model(repo, "t5").engine  # rows of any length decode together: nothing waits for company
+    masked.running, masked.waiting = [_sequence()], [_sequence()]
+    masked._admit()
+    assert len(masked.running) == 2 and not masked.waiting

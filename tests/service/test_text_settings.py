@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.errors import ConfigError, InvalidArgument
-from service.models.catalog import check
+from service.models.catalog import check, recognised
 from service.models.text.pooling import activate, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import read_settings
 from service.models.text.tokens import fit
@@ -74,9 +74,9 @@ def test_a_wrong_override_is_refused_naming_it(tmp_path: Path, overrides: dict[s
 def test_the_kind_is_text_when_the_folder_has_a_tokenizer_and_a_text_section_is_for_it_alone(tmp_path: Path) -> None:
     (tmp_path / "m" / "1").mkdir(parents=True)
     (tmp_path / "m" / "1" / "model.onnx").write_bytes(b"")
-    assert load_model_config(tmp_path / "m").kind == "tensor"
+    assert recognised(load_model_config(tmp_path / "m")).kind == "tensor"
     (tmp_path / "m" / "1" / "tokenizer.json").write_text("{}")
-    config = load_model_config(tmp_path / "m")
+    config = recognised(load_model_config(tmp_path / "m"))
     assert config.kind == "text" and config.text == {}
     assert load_model_config(tmp_path / "m", raw={"text": {"pooling": "cls"}}).text == {"pooling": "cls"}
     with pytest.raises(ConfigError, match="text is a section of the text kind's config, not of a tensor model"):

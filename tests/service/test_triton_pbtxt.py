@@ -19,6 +19,7 @@ from google.protobuf import json_format, text_format
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from service.models.catalog import recognised
 from service.repository.layout import RepositoryError, load_model, load_model_config
 from tests.conftest import RunningServer, start_server, stop_server
 
@@ -73,7 +74,7 @@ def _triton_json(pbtxt: str) -> dict:  # type: ignore[type-arg]
 
 def test_config_pbtxt_is_read_field_by_field(tmp_path: Path) -> None:
     _simple(tmp_path / "simple")
-    c = load_model_config(tmp_path / "simple")
+    c = recognised(load_model_config(tmp_path / "simple"))
     assert c.kind == "tensor" and c.batching.max_batch_size == 8 and "max_batch_size" in c.batching_given
     assert [(d["name"], d["datatype"], d["shape"]) for d in c.inputs] == [
         ("INPUT0", "INT32", [-1, 16]),

@@ -8,9 +8,11 @@ sequence past its prompt and runs what the token budget leaves of waiting prompt
   caches left-padded to the longest, the new tokens left-padded too, the attention mask zero on every pad
   and position_ids given explicitly, so a row's answer is what it would be alone.
 - encoder-decoder: the encoder once per prompt (the step's new prompts batched, right-padded, sorted by
-  length), then the decoder. T5's decoder takes no self-attention mask and biases attention by relative
-  position, so padding its cache would change the answer: decoder rows run in groups of equal cache
-  length (sequences that joined at the same step decode together).
+  length), then the decoder. The decoder with past is given a self-attention mask at load (masking.py):
+  rows of different lengths run in one call as decoder-only rows do, the caches left-padded and the pads
+  masked (T5's relative position bias moves with the pad, so only the pads need masking). A decoder whose
+  graph the rewrite does not recognise takes no mask, and padding its cache would change the answer: its
+  rows run in groups of equal cache length (sequences that joined at the same step decode together).
 
 The cache is reserved in a memory budget when a sequence joins (prompt and max_tokens worth): a request
 that cannot fit waits in the queue, one that could never fit is refused. A sequence whose client went
@@ -125,9 +127,11 @@ class Engine:
         self.decoder_start, self.max_positions = decoder_start, max_positions
         self.cache_budget, self.step_tokens = cache_budget, step_tokens
         self.max_running, self.max_waiting = max_running, max_waiting
-        # An encoder-decoder's new sequences join a running batch together, at least `min_join` of them (or
-        # fewer once the oldest has waited `join_delay` s): its decoder rows run in groups of equal length.
-        self.min_join, self.join_delay = min_join, join_delay
+        # An encoder-decoder whose decoder takes no self-attention mask runs its decoder rows in groups of equal
+        # length: its new sequences join a running batch together, at least `min_join` of them (or fewer once
+        # the oldest has waited `join_delay` s). A masked one's join at once.
+        equal_lengths = isinstance(graph, Seq2SeqGraphs) and not graph.masked
+        self.min_join, self.join_delay = (min_join, join_delay) if equal_lengths else (1, 0.0)
         self.observer: EngineObserver = observer or _NoObserver()
         self.encoder_decoder = isinstance(graph, Seq2SeqGraphs)
         past = graph.past
@@ -136,10 +140,10 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
-        # An encoder-decoder's decoding groups of the last step (their sequences' ids): the encoder mask and
-        # the step's outputs, the next step's past if the group is the same.
-        self._groups: dict[tuple[int, ...], tuple[np.ndarray, list[np.ndarray]]] = {}
-        self._next_groups: dict[tuple[int, ...], tuple[np.ndarray, list[np.ndarray]]] = {}
+        # An encoder-decoder's decoding groups of the last step (their sequences' ids): the encoder mask, the
+        # next self-attention mask and the step's outputs, the next step's past if the group is the same.
+        self._groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, list[np.ndarray]]] = {}
+        self._next_groups: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, list[np.ndarray]]] = {}
         self.decode_seconds = 0.0  # a decoding call's time, smoothed (decoder-only)
         self.token_seconds = 0.0  # a prefill call's time per prompt token, smoothed
         self.steps = 0
@@ -389,11 +393,16 @@ class Engine:
     def _seq2seq_step(self, running: list[Sequence], plan: Plan) -> None:
         graph = self.graph
         assert isinstance(graph, Seq2SeqGraphs)
-        groups: dict[int, list[Sequence]] = {}
-        for i in plan.decode:
-            groups.setdefault(running[i].length, []).append(running[i])
+        rows = [running[i] for i in plan.decode]
+        if graph.masked:  # rows of different lengths in one call, left-padded (far apart ones apart)
+            groups = _by_length(rows)
+        else:  # a pad would change the answer: rows of equal length together
+            same: dict[int, list[Sequence]] = {}
+            for s in rows:
+                same.setdefault(s.length, []).append(s)
+            groups = list(same.values())
         self._next_groups = {}
-        for group in groups.values():
+        for group in groups:
             self._seq2seq_decode(group)
         self._groups = self._next_groups  # what the next step may take as it is
         if plan.prefill:
@@ -420,36 +429,40 @@ class Engine:
             self._advance(s, logits[r, -1])
 
     def _seq2seq_decode(self, group: list[Sequence]) -> None:
-        """One token for sequences of equal decoder length: caches stacked, the encoder's right-padded. A group
-        that decoded together at the last step takes that step's outputs as they are (nothing copied)."""
+        """One token for a group of sequences: their decoder caches stacked, left-padded to the longest (a
+        decoder that takes no self-attention mask gets groups of equal length), the encoder's right-padded. A
+        group that decoded together at the last step takes that step's outputs as they are (nothing copied)."""
         graph = self.graph
         assert isinstance(graph, Seq2SeqGraphs)
         key = tuple(id(s) for s in group)
+        lengths = [s.length for s in group]
+        b, p = len(group), max(lengths)
         kept = self._groups.get(key)
         if kept is not None:
-            mask, past = kept
+            mask, self_mask, past = kept
         else:
-            b, width = len(group), max(len(s.prompt) for s in group)
+            width = max(len(s.prompt) for s in group)
             mask = np.zeros((b, width), dtype=np.int64)
+            self_mask = np.zeros((b, p + 1), dtype=np.int64)  # the cache and the new token: 1 real, 0 a pad
             h, d = graph.past.heads, graph.past.head_dim
             past = []
             for j, own in enumerate(graph.past.self_attention):
-                if own:
-                    past.append(np.stack([s.cache[j] for s in group]))
-                else:
-                    a = np.zeros((b, h, width, d), dtype=graph.dtype)
-                    for r, s in enumerate(group):
+                a = np.zeros((b, h, p if own else width, d), dtype=graph.dtype)
+                for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
+                    if own:
+                        a[r, :, p - n :] = s.cache[j]
+                    else:
                         a[r, :, : len(s.prompt)] = s.cache[j]
-                    past.append(a)
-            for r, s in enumerate(group):
+                past.append(a)
+            for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
                 mask[r, : len(s.prompt)] = 1
+                self_mask[r, p - n :] = 1
         ids = np.array([[s.output[-1]] for s in group], dtype=np.int64)
-        logits, present = graph.step(ids, mask, past)
-        self._next_groups[key] = (mask, present)
-        for r, s in enumerate(group):
-            s.cache = [
-                a[r] if own else c for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)
-            ]
+        logits, present = graph.step(ids, mask, past, self_mask)
+        self._next_groups[key] = (mask, np.pad(self_mask, ((0, 0), (0, 1)), constant_values=1), present)
+        for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
+            s.cache = [a[r, :, p - n :] if own else c
+                       for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)]  # fmt: skip
             self._advance(s, logits[r, -1])
 
     # --- choosing and answering -------------------------------------------------------------------------

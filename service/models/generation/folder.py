@@ -10,13 +10,36 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from service.models.generation.capability import EarlyStopping, GenerationDefaults
-from service.repository.layout import RepositoryError, folder_json
+from service.repository.layout import MAX_CONFIG_BYTES, RepositoryError, folder_json
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FolderSettings", "read_folder"]
+__all__ = ["CAUSAL_ARCHITECTURES", "DEFAULT_MAX_NEW_TOKENS", "FolderSettings", "read_folder", "recognises"]
 
 MAX_FILE_BYTES = 64 << 20  # a tokenizer.json of a 250k vocabulary is some 20 MB
 DEFAULT_MAX_NEW_TOKENS = 256  # `max_tokens` when neither the request nor generation_config.json gives one
 UNBOUNDED_PROMPT = 4096  # an encoder with relative positions (T5): the longest prompt taken
+CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")  # config.json architectures of a decoder-only generator
+
+
+def recognises(directory: Path) -> bool:
+    """Whether a version directory holds a generation model as optimum exports it, tokenizer included: an
+    encoder with its decoders (text2text-generation-with-past), or model.onnx of a causal LM (its
+    config.json's architectures) with past (text-generation-with-past)."""
+    if not (directory / "tokenizer.json").is_file():
+        return False
+    has = {p.name for p in directory.glob("*.onnx")}
+    if "encoder_model.onnx" in has:
+        return "decoder_model_merged.onnx" in has or {"decoder_model.onnx", "decoder_with_past_model.onnx"} <= has
+    if "model.onnx" not in has:
+        return False
+    try:
+        hf = folder_json(directory / "config.json", str(directory), MAX_CONFIG_BYTES)
+    except RepositoryError:
+        return False  # the kind that serves the folder says what is wrong with it
+    architectures = hf.get("architectures")
+    causal = isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith(CAUSAL_ARCHITECTURES) for a in architectures
+    )
+    return causal and bool(hf.get("use_cache", True))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@
         input_ids (B, T), encoder_attention_mask (B, S), encoder_hidden_states (B, S, E),
         past_key_values.{i}.decoder.* (B, H, P, D), past_key_values.{i}.encoder.* (B, H, S, D)
         ->  logits (B, T, V), present.{i}.decoder.* (B, H, P+T, D), present.{i}.encoder.* (B, H, S, D)
+    The decoder with past is given a self-attention mask at load (masking.py), decoder_attention_mask
+    (B, P+T), where its graph shows where: then rows of different cache lengths run in one call, left-padded.
 
 A cache is a list of arrays, one a past input in the graph's order. A graph whose names differ is refused
 with a message naming what is missing.
@@ -16,6 +18,7 @@ with a message naming what is missing.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +27,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from service.models.generation.masking import MASK, Unmasked, with_self_attention_mask
 from service.repository.layout import RepositoryError
 
 __all__ = ["CausalGraph", "Seq2SeqGraphs", "graph_files"]
+
+log = logging.getLogger("qkv.generation")
 
 _PAST = re.compile(r"past_key_values\.(\d+)\.(?:(decoder|encoder)\.)?(key|value)")
 
@@ -46,6 +52,20 @@ def graph_files(directory: Path) -> tuple[str, ...]:
 
 def _session(path: Path, options: ort.SessionOptions, providers: list[Any]) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+def _masked_session(path: Path, options: ort.SessionOptions, providers: list[Any],
+                    where: str) -> tuple[ort.InferenceSession, bool]:  # fmt: skip
+    """A decoder's session, given a self-attention mask input (MASK) where its graph shows where; whether it was."""
+    try:
+        data, external = with_self_attention_mask(path.read_bytes())
+    except Unmasked as e:
+        log.info("%s: %s takes no self-attention mask (%s): its decoder rows run in groups of equal length",
+                 where, path.name, e)  # fmt: skip
+        return _session(path, options, providers), False
+    if external:  # a graph read from memory finds its weights' files here
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return ort.InferenceSession(data, sess_options=options, providers=providers), True
 
 
 @dataclass(frozen=True)
@@ -115,7 +135,8 @@ class CausalGraph:
 
 
 class Seq2SeqGraphs:
-    """An encoder and a decoder with past (merged, or the two decoders)."""
+    """An encoder and a decoder with past (merged, or the two decoders). `masked`: the decoder with past takes
+    a self-attention mask (MASK), so its rows may have caches of different lengths, left-padded."""
 
     def __init__(self, directory: Path, files: tuple[str, ...], options: ort.SessionOptions, providers: list[Any],
                  where: str) -> None:  # fmt: skip
@@ -125,11 +146,12 @@ class Seq2SeqGraphs:
         self.merged = len(files) == 2
         needed = ("input_ids", "encoder_attention_mask", "encoder_hidden_states")
         if self.merged:
-            self.first = self.decoder = _session(directory / files[1], options, providers)
+            self.first, self.masked = _masked_session(directory / files[1], options, providers, where)
+            self.decoder = self.first
             _require(self.decoder, (*needed, "use_cache_branch"), where, files[1])
         else:
             self.first = _session(directory / files[1], options, providers)
-            self.decoder = _session(directory / files[2], options, providers)
+            self.decoder, self.masked = _masked_session(directory / files[2], options, providers, where)
             _require(self.first, needed, where, files[1])
             _require(self.decoder, ("input_ids", "encoder_attention_mask"), where, files[2])
         self.past = _past(self.decoder, where, files[-1])
@@ -159,13 +181,20 @@ class Seq2SeqGraphs:
             for name, own in zip(self.past.inputs, self.past.self_attention, strict=True):
                 feeds[name] = np.zeros((b, h, 0 if own else s, d), dtype=self.dtype)
             feeds["use_cache_branch"] = np.array([False])
+            if self.masked:  # read on the cache branch only
+                feeds[MASK] = np.ones(ids.shape, dtype=np.int64)
         out = self.first.run(self.first_outputs, feeds)
         present = dict(zip(self.first_outputs[1:], out[1:], strict=True))
         return out[0], [present[n] for n in self.past.outputs]
 
-    def step(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A step with past: ids (B, T), the encoder mask (B, S), past -> logits, present (encoder parts as given)."""
+    def step(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray],
+             self_mask: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        """A step with past: ids (B, T), the encoder mask (B, S), past, the self-attention mask (B, P+T) where
+        the decoder is `masked` -> logits, present (encoder parts as given)."""
         feeds: dict[str, np.ndarray] = {"input_ids": ids, "encoder_attention_mask": mask}
+        if self.masked:
+            b, p = ids.shape[0], past[self.past.self_attention.index(True)].shape[2]
+            feeds[MASK] = self_mask if self_mask is not None else np.ones((b, p + ids.shape[1]), dtype=np.int64)
         if "encoder_hidden_states" in self.decoder_inputs:  # read for its shape only on the cache branch
             feeds["encoder_hidden_states"] = np.zeros((*mask.shape, self.d_model), dtype=self.dtype)
         if self.merged:

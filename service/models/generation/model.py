@@ -28,7 +28,7 @@ from service.models.generation.capability import GenerationChunk, GenerationDefa
 from service.models.generation.choosing import Chooser
 from service.models.generation.detokenize import Detokenizer
 from service.models.generation.engine import Engine, Message, Sequence
-from service.models.generation.folder import read_folder, read_tokenizer
+from service.models.generation.folder import read_folder, read_tokenizer, recognises
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters
 from service.models.runtime import TensorSpec
@@ -49,9 +49,9 @@ log = logging.getLogger("qkv.models")
 CACHE_BUDGET = 1 << 30  # key/value cache bytes the running sequences may reserve (limits.cache_bytes)
 STEP_TOKENS = 256  # tokens a step runs, decoding and prefill together (batching.token_budget when given)
 MAX_RUNNING = 64  # sequences in the running batch (batching.max_batch_size when given)
-# An encoder-decoder's new sequences join a running batch this many together, or fewer after this wait
-# (batching.min_join_rows, batching.max_queue_delay_ms when given): T5's decoder rows run in groups of equal
-# length, so sequences that join one at a time each decode in a call of their own.
+# An encoder-decoder whose decoder takes no self-attention mask (masking.py did not recognise its graph) runs
+# its decoder rows in groups of equal length: its new sequences join a running batch this many together, or
+# fewer after this wait (batching.min_join_rows, batching.max_queue_delay_ms when given).
 MIN_JOIN = 8
 JOIN_DELAY_MS = 20.0
 MAX_TEXT_BYTES = 1 << 20
@@ -277,4 +277,6 @@ def _build(config: ModelConfig, context: Context) -> ServedVersion:
     return build_generation_model(config, context.providers, context.observer, context.compute)
 
 
-KIND = Kind(_build, limits=("cache_bytes",))  # the key/value cache the running sequences may reserve
+KIND = Kind(
+    _build, limits=("cache_bytes",), recognises=recognises
+)  # the key/value cache the running sequences may reserve

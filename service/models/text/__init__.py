@@ -19,4 +19,4 @@ def _build(config: ModelConfig, context: Context) -> ServedVersion:
     return build_text_model(config, context.providers, context.observer, context.compute)
 
 
-KIND = Kind(_build, sections=("text",))  # a text model's limits are in its "text" section
+KIND = Kind(_build, sections=("text",), recognises=is_text_folder)  # a text model's limits are in its "text" section

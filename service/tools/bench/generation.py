@@ -202,15 +202,15 @@ async def _cancels(model: Any, prompt: list[int], count: int = 1000) -> dict[str
 
 def generation_bench(folder: Path, out: Path) -> dict[str, Any]:
     """The table's figures, in one run."""
+    from service.models.catalog import load_checked
     from service.models.generation.model import GenerationModel
-    from service.repository.layout import load_model_config
 
     scratch = out / "generation-model"
     version = scratch / "1"
     if not version.exists():
         version.parent.mkdir(parents=True, exist_ok=True)
         version.symlink_to(folder.resolve(), target_is_directory=True)
-    model = GenerationModel(load_model_config(scratch), ["CPUExecutionProvider"], None)
+    model = GenerationModel(load_checked(scratch)[-1], ["CPUExecutionProvider"], None)
     model.warm_up()
     prompts = _prompts(model.encode)
     eos = set(model.defaults.eos_token_ids)
