@@ -61,10 +61,11 @@ ROLES = ("system", "developer", "user", "assistant")
 log = logging.getLogger("qkv.http")
 
 # Fields both endpoints take; then each one's own. vLLM's extras: top_k, repetition_penalty, stop_token_ids,
-# ignore_eos. `user`, `metadata`, `store` and `parallel_tool_calls` change nothing here and are ignored.
+# ignore_eos, length_penalty; and num_beams (a beam search, answered in one chunk). `user`, `metadata`,
+# `store` and `parallel_tool_calls` change nothing here and are ignored.
 COMMON = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-    "top_k", "repetition_penalty", "stop_token_ids", "ignore_eos",
+    "top_k", "repetition_penalty", "stop_token_ids", "ignore_eos", "num_beams", "length_penalty",
 }  # fmt: skip
 FIELDS = {
     "openai_completions": COMMON | {"prompt"},

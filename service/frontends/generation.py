@@ -18,6 +18,7 @@ from typing import Any, Protocol, cast
 from service.errors import InvalidArgument, Unavailable, quote
 from service.models.catalog import ServedVersion
 from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
+from service.models.generation.requests import MAX_BEAMS
 from service.serving.dataplane import DataPlane
 
 __all__ = [
@@ -90,12 +91,14 @@ class Sampling:
     stop: Any = None
     stop_token_ids: Any = None
     ignore_eos: Any = None
+    num_beams: Any = None
+    length_penalty: Any = None
     names: Mapping[str, str] | None = None
 
     @classmethod
     def of(cls, doc: Mapping[str, Any], names: Mapping[str, str] | None = None) -> Sampling:
         fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop",
-                  "stop_token_ids", "ignore_eos")  # fmt: skip
+                  "stop_token_ids", "ignore_eos", "num_beams", "length_penalty")  # fmt: skip
         return cls(**{f: doc.get((names or {}).get(f, f)) for f in fields}, names=names)
 
     def name(self, field: str) -> str:
@@ -220,6 +223,18 @@ def generation_request(
     stop_ids = (
         () if sampling.stop_token_ids is None else _stop_ids(sampling.stop_token_ids, sampling.name("stop_token_ids"))
     )
+    num_beams, length_penalty = _beams(sampling, d.length_penalty)
+    if num_beams > 1:
+        if sampling.temperature or sampling.top_p is not None or sampling.top_k is not None:
+            raise InvalidArgument(
+                f"field '{sampling.name('num_beams')}' is {num_beams}: beam search does not sample (leave "
+                "temperature, top_p and top_k out, or temperature 0)"
+            )
+        if stop:
+            raise InvalidArgument(
+                f"field '{sampling.name('stop')}': beam search takes stop_token_ids, not stop strings"
+            )
+        do_sample, temperature = False, 1.0
     ignore_eos = False
     if sampling.ignore_eos is not None:
         if not isinstance(sampling.ignore_eos, bool):
@@ -233,13 +248,32 @@ def generation_request(
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        num_beams=1,  # as vLLM: these interfaces stream token by token, a beam search answers at its end
+        num_beams=num_beams,  # 1 unless the body asks: a beam search answers at its end, in one chunk
+        length_penalty=length_penalty,
+        early_stopping=d.early_stopping,
         repetition_penalty=penalty,
         stop=stop,
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         deadline=deadline,
     )
+
+
+def _beams(sampling: Sampling, length_penalty: float) -> tuple[int, float]:
+    """The body's num_beams (1 when left out, whatever generation_config.json says: these interfaces stream
+    token by token) and length_penalty (the model's when left out)."""
+    num_beams = 1
+    if sampling.num_beams is not None:
+        num_beams = _integer(sampling.num_beams, sampling.name("num_beams"))
+        if not 1 <= num_beams <= MAX_BEAMS:
+            raise InvalidArgument(
+                f"field '{sampling.name('num_beams')}' must be from 1 to {MAX_BEAMS}, got {num_beams}"
+            )
+    if sampling.length_penalty is not None:
+        length_penalty = _number(sampling.length_penalty, sampling.name("length_penalty"))
+        if not -100 <= length_penalty <= 100:
+            raise InvalidArgument(f"field '{sampling.name('length_penalty')}' must be in [-100, 100]")
+    return num_beams, length_penalty
 
 
 async def chunks(

@@ -27,7 +27,7 @@ __all__ = ["EXTRAS", "Generation", "generates", "stream_fields", "triton_generat
 EXTRAS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 FLAGS = ("stream", "exclude_input_in_output", *EXTRAS)
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "stop_token_ids",
-            "ignore_eos")  # fmt: skip
+            "ignore_eos", "num_beams", "length_penalty")  # fmt: skip
 # Parameters of the protocol that every request may carry (priority, timeout) and Triton's own.
 PROTOCOL = ("priority", "timeout", "triton_enable_empty_final_response", "binary_data_output")
 

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from service.seq2seq.beams import BeamSearch as Beams
+
 __all__ = [
     "CACHE_GROWTH",
     "BeamSearch",
@@ -297,10 +299,12 @@ def beam_search(
 class BeamSearch:
     """A beam search over several words, advanced one step at a time: words x beams rows.
 
-    Finished hypotheses are ranked by log-probability per token (length-normalised). A word's rows
-    leave the batch once it has `beam_size` finished hypotheses, and `step` returns it then, so that
-    others' longer words hold up neither its answer nor the batch's cost. Stepping it a step at a
-    time lets a scheduler interleave its steps with other work on the same model.
+    Each word's beams are chosen by the generation engine's search (beams.py, transformers' rule: the 2k best
+    continuations, the k best that do not end run on, hypotheses ranked by log-probability per token, a word
+    done once k of them are finished: early_stopping true). This class is the adapter over g2p's graphs: the
+    rows' caches, gathered by the chosen parents, and their attention. A word's rows leave the batch once it is
+    done, and `step` returns it then, so that others' longer words hold up neither its answer nor the batch's
+    cost. Stepping it a step at a time lets a scheduler interleave its steps with other work on the same model.
     """
 
     def __init__(
@@ -324,9 +328,10 @@ class BeamSearch:
         self.cache_k = np.zeros((layers, n * k, heads, cache_capacity(1), d_k), dtype=ck.dtype)
         self.cache_v = self.cache_k.copy()
         self.tokens = np.full((n * k, 1), bos_id, dtype=np.int64)
-        self.scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], n)  # only beam 0 is alive at first
+        # a word's search: max_len output tokens, then one more that ends it (</s> or not)
+        self.searches = [Beams(k, frozenset({eos_id}), max_len + 1, 1.0, True) for _ in range(n)]
         self.attention = np.zeros((n * k, 0, ids.shape[1]), dtype=np.float32)
-        self.finished: list[list[tuple[float, list[int], np.ndarray]]] = [[] for _ in range(n)]
+        self.histories: list[dict[tuple[int, ...], np.ndarray]] = [{} for _ in range(n)]  # finished ones' rows
         self.out: list[Hypothesis | None] = [None] * n
         self.alive = list(range(n))  # the words still searching, in row order
         self.t = 0  # the next step's position
@@ -341,8 +346,7 @@ class BeamSearch:
 
     def step(self) -> list[tuple[int, Hypothesis]]:
         """Advance every live beam by one token; return the words done at this step, with their best."""
-        t, k, alive, eos_id = self.t, self.k, self.alive, self.eos_id
-        tokens, scores, attention = self.tokens, self.scores, self.attention
+        t, k, alive, tokens = self.t, self.k, self.alive, self.tokens
         # The caches are used through self only: an old one is freed as soon as its copy replaces it.
         cache_mask = np.zeros((len(tokens), self.cache_k.shape[3]), dtype=np.int64)
         cache_mask[:, :t] = 1
@@ -351,65 +355,53 @@ class BeamSearch:
             tokens[:, -1], positions, self.cache_k, self.cache_v, cache_mask, self.ck, self.cv, self.memory_mask
         )
         self.cache_k[:, :, :, t], self.cache_v[:, :, :, t] = new_k, new_v
-        vocab = log_probs.shape[1]
-        total = (scores[:, None] + log_probs).reshape(len(alive), k * vocab)  # (words, beams x V)
-        top = np.argsort(-total, axis=1)[:, : 2 * k]
-        new_rows, new_tokens, new_scores, staying = [], [], [], []
+        new_rows, new_tokens, staying = [], [], []
         done: list[tuple[int, Hypothesis]] = []
         for a, w in enumerate(alive):
-            kept: list[tuple[int, int, float]] = []
-            for flat in top[a]:
-                score = float(total[a, flat])
-                parent, token = a * k + flat // vocab, int(flat % vocab)
-                if not np.isfinite(score):
-                    break
-                if token == eos_id or t == self.max_len:
-                    hist = np.concatenate([attention[parent], attn[parent][None]], axis=0)
-                    seq = [*tokens[parent, 1:].tolist(), *([token] if token != eos_id else [])]
-                    if len(self.finished[w]) < k:
-                        self.finished[w].append((score / (t + 1), seq, hist))
-                    continue
-                kept.append((parent, token, score))
-                if len(kept) == k:
-                    break
-            if len(self.finished[w]) >= k or t == self.max_len:  # this word is done: its rows leave
-                best = self.out[w] = _best(self.finished[w], self.sources[w], self.max_len, self.bos_id, eos_id,
-                                           self.with_attention, tag=w)  # fmt: skip
+            search, first = self.searches[w], a * k
+            for r in range(1 if t == 0 else k):  # at the first step a word's k rows are one
+                search.offer(r, log_probs[first + r])
+            choices = search.step()
+            if self.with_attention:
+                self._keep_histories(w, first, attn)
+            if search.done:  # this word is done: its rows leave
+                best = self.out[w] = self._best(w)
                 done.append((w, best))
                 continue
-            kept += [(a * k, eos_id, -np.inf)] * (k - len(kept))  # keep k rows a word: dead beams score -inf
             staying.append(w)
-            for parent, token, score in kept:
-                new_rows.append(parent)
+            for parent, token in choices:
+                new_rows.append(first + parent)
                 new_tokens.append(token)
-                new_scores.append(score)
         self.t, self.alive = t + 1, staying
         if not staying:
             return done
         idx = np.asarray(new_rows)
         self.tokens = np.concatenate([tokens[idx], np.asarray(new_tokens)[:, None]], axis=1)
-        self.scores = np.asarray(new_scores)
         # the surviving beams' caches, in one copy each, with room for the next slot
         self.cache_k = _gather_rows(self.cache_k[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
         self.cache_v = _gather_rows(self.cache_v[:, :, :, : t + 1], idx, len(idx), cache_capacity(t + 2))
-        self.attention = np.concatenate([attention[idx], attn[idx][:, None]], axis=1)
+        self.attention = np.concatenate([self.attention[idx], attn[idx][:, None]], axis=1)
         if len(staying) < len(alive):  # a word's beams share its memory: gather only when words left
             self.ck, self.cv, self.memory_mask = self.ck[:, idx], self.cv[:, idx], self.memory_mask[idx]
         return done
 
+    def _keep_histories(self, w: int, first: int, attn: np.ndarray) -> None:
+        """The attention rows of word w's hypotheses that finished at this step: their parent row's, then
+        this step's (a parent is the row whose tokens the hypothesis continues)."""
+        for h in self.searches[w].best(self.k):
+            if h.finished and h.tokens not in self.histories[w]:
+                rows = range(first, first + (1 if self.t == 0 else self.k))
+                parent = next(r for r in rows if tuple(self.tokens[r, 1:].tolist()) == h.tokens[:-1])
+                self.histories[w][h.tokens] = np.concatenate([self.attention[parent], attn[parent][None]], axis=0)
 
-def _best(
-    finished: list[tuple[float, list[int], np.ndarray]],
-    source: Sequence[int],
-    max_len: int,
-    bos_id: int,
-    eos_id: int,
-    with_attention: bool,
-    tag: Any,
-) -> Hypothesis:
-    best_score, seq, hist = max(finished, key=lambda f: f[0])
-    h = Hypothesis(list(source), max_len, tokens=[bos_id, *seq, eos_id], score=best_score, done=True, tag=tag)
-    h.eos = eos_id
-    if with_attention:
-        h.attention = [row[: len(source)] for row in hist[: len(seq) + 1]]
-    return h
+    def _best(self, w: int) -> Hypothesis:
+        """Word w's best finished hypothesis: <s>, its tokens, </s>."""
+        best = self.searches[w].best()[0]
+        seq = list(best.tokens[:-1] if best.tokens[-1:] == (self.eos_id,) else best.tokens)
+        source = self.sources[w]
+        h = Hypothesis(list(source), self.max_len, tokens=[self.bos_id, *seq, self.eos_id], score=best.score,
+                       done=True, tag=w)  # fmt: skip
+        h.eos = self.eos_id
+        if self.with_attention:
+            h.attention = [row[: len(source)] for row in self.histories[w][best.tokens][: len(seq) + 1]]
+        return h

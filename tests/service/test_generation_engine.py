@@ -252,7 +252,7 @@ def test_a_v2_infer_answers_as_transformers(
         ({"top_p": 2.0}, "top_p"),
         ({"stop": 7}, "stop"),  # a stop that is neither a string nor a list of them
         ({"stop": '["ok", 3]'}, "stop"),
-        ({"num_beams": 4}, "num_beams"),
+        ({"num_beams": 0}, "num_beams"),
     ],
 )
 def test_a_v2_infer_with_bad_parameters_is_invalid_argument(

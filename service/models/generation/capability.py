@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["FINISH_REASONS", "FinishReason", "GenerationChunk", "GenerationDefaults", "GenerationRequest", "Generator"]
+from service.seq2seq.beams import EarlyStopping
+
+__all__ = ["FINISH_REASONS", "EarlyStopping", "FinishReason", "GenerationChunk", "GenerationDefaults",
+           "GenerationRequest", "Generator"]  # fmt: skip
 
 FinishReason = Literal["stop", "length"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length")  # "stop": EOS, a stop token or a stop string
@@ -32,6 +35,8 @@ class GenerationRequest:
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None  # a sampled answer repeats for the same seed and prompt
     num_beams: int = 1  # > 1: beam search, answered once the search ends (not token by token)
+    length_penalty: float = 1.0  # beam search: a hypothesis scores log-prob / length ** length_penalty
+    early_stopping: EarlyStopping = False  # beam search: when it stops, as transformers' early_stopping
     repetition_penalty: float = 1.0  # > 0; as transformers' RepetitionPenaltyLogitsProcessor
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one (not included)
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids; the stop token is not in the text
@@ -65,6 +70,8 @@ class GenerationDefaults:
     top_p: float = 1.0
     top_k: int = 0
     num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
     repetition_penalty: float = 1.0
 
 

@@ -17,6 +17,12 @@ sequence past its prompt and runs what the token budget leaves of waiting prompt
 The cache is reserved in a memory budget when a sequence joins (prompt and max_tokens worth): a request
 that cannot fit waits in the queue, one that could never fit is refused. A sequence whose client went
 away (`cancel`) is dropped, and its cache freed, before the next step.
+
+A beam search (num_beams N > 1, beams.py) reserves N caches and counts N rows of the running batch. Its
+prompt runs as one row; from its first token on, its N beams are rows of the running batch beside the
+others, sharing the prompt's cache; at each step the search picks the next beams and each continues its
+parent's cache (fresh rows each step, so that nothing kept by row, such as an encoder-decoder group's
+outputs, is taken for a reordered cache). The answer is one chunk at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from service.models.generation.detokenize import Detokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs
 from service.models.generation.planning import Plan, plan_step, step_budget
 from service.priority import ComputeThreads
+from service.seq2seq.beams import BeamSearch, log_softmax
 
 __all__ = ["Engine", "EngineObserver", "Sequence"]
 
@@ -83,6 +90,21 @@ class Sequence:
     finished: bool = False
     cancelled_at: int = -1  # the engine's step count when its client went away, and when its cache was freed
     freed_at: int = -1
+    # A beam search: the request's own sequence holds the search and its beams (the rows that run now); each
+    # beam row names the request's sequence as its lead.
+    search: BeamSearch | None = None
+    beams: list[Sequence] = field(default_factory=list)
+    lead: Sequence | None = None
+
+    @property
+    def owner(self) -> Sequence:
+        """The request's own sequence: itself, or a beam row's lead."""
+        return self.lead or self
+
+    @property
+    def rows(self) -> int:
+        """Rows of the running batch it accounts for: a beam search's own sequence its N beams."""
+        return self.request.num_beams if self.lead is None else 1
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -135,10 +157,12 @@ class Engine:
     # --- the event loop's side --------------------------------------------------------------------------
 
     def reservation(self, request: GenerationRequest) -> int:
-        """The cache bytes a request reserves: its whole prompt and output."""
+        """The cache bytes a request reserves: its whole prompt and output, for each of its beams."""
         if self.encoder_decoder:
-            return (request.max_tokens + 1) * self.token_bytes + len(request.prompt_ids) * self.cross_bytes
-        return (len(request.prompt_ids) + request.max_tokens) * self.token_bytes
+            one = (request.max_tokens + 1) * self.token_bytes + len(request.prompt_ids) * self.cross_bytes
+        else:
+            one = (len(request.prompt_ids) + request.max_tokens) * self.token_bytes
+        return one * request.num_beams
 
     def submit(self, sequence: Sequence) -> None:
         """Queue `sequence`, or raise the refusal (ResourceExhausted: the queue is full or it can never fit)."""
@@ -243,15 +267,17 @@ class Engine:
         left = False
         for group in (self.waiting, self.running):
             for s in [
-                s for s in group if s.cancelled or (s.request.deadline is not None and now >= s.request.deadline)
-            ]:
+                s for s in group
+                if s.owner.cancelled or (s.request.deadline is not None and now >= s.request.deadline)
+            ]:  # fmt: skip
                 group.remove(s)
                 if group is self.running:
                     self.reserved -= s.reserved
                     left = True
                 s.cache = []
-                s.freed_at = self.steps
-                if not s.cancelled:
+                s.freed_at = s.owner.freed_at = self.steps
+                if not s.owner.cancelled and not s.owner.finished:  # a beam search's rows: told once
+                    s.owner.finished = True
                     self._send(s, DeadlineExceeded(f"model '{self.name}': the request's deadline passed"))
         return left
 
@@ -261,8 +287,11 @@ class Engine:
             room = min(self.min_join, self.max_running - len(self.running))
             if len(self.waiting) < room and time.monotonic() - self.waiting[0].arrived < self.join_delay:
                 return  # a few more, and they decode as one group
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting:
             s = self.waiting[0]
+            rows = sum(r.rows for r in self.running)  # a beam search's N beams count N
+            if rows and rows + s.rows > self.max_running:
+                break  # (one wider than the whole batch joins an empty one)
             if self.reserved + s.reserved > self.cache_budget and self.running:
                 break
             self.waiting.pop(0)
@@ -441,7 +470,10 @@ class Engine:
     def _advance(self, s: Sequence, logits: np.ndarray) -> None:
         """Choose `s`'s next token from its logits, hand its chunk over, and end it if it is done."""
         request = s.request
-        token = s.chooser.choose(logits, (*s.prompt, *s.output) if s.chooser.penalty != 1.0 else ())
+        if request.num_beams > 1:
+            self._beam_advance(s, logits)
+            return
+        token = s.chooser.choose(logits, self._seen(s) if s.chooser.penalty != 1.0 else ())
         first = not s.output
         s.output.append(token)
         if first:
@@ -464,7 +496,65 @@ class Engine:
         else:
             self._send(s, chunk)
 
+    def _seen(self, s: Sequence) -> tuple[int, ...]:
+        """The tokens the repetition penalty covers, as transformers' covers its decoder's input ids: the prompt
+        and the output (decoder-only), the decoder's start token and the output (encoder-decoder)."""
+        return (self.decoder_start, *s.output) if self.encoder_decoder else (*s.prompt, *s.output)
+
+    def _beam_advance(self, s: Sequence, logits: np.ndarray) -> None:
+        """Offer beam row `s`'s log-probs to its search; once every beam's are in, step the search: the next
+        beams (fresh rows, each continuing its parent's cache) take the place of these, or the answer goes out."""
+        lead, request = s.owner, s.request
+        if lead.search is None:  # the prompt's row: the search starts (its decoding, for time per output token)
+            lead.first = time.monotonic()
+            eos = (self.eos if not request.ignore_eos else frozenset()) | frozenset(request.stop_token_ids)
+            room = self.max_positions - len(s.prompt) if self.max_positions else request.max_tokens
+            lead.search = BeamSearch(request.num_beams, eos, min(request.max_tokens, room), request.length_penalty,
+                                     request.early_stopping)  # fmt: skip
+        search = lead.search
+        scores = log_softmax(logits)
+        if s.chooser.penalty != 1.0:  # logits processors run on the log-probs in transformers' beam search
+            scores = s.chooser.scores(scores, self._seen(s))
+        rows = lead.beams or [lead]
+        if not search.offer(rows.index(s), scores):
+            return
+        choices = search.step()
+        if not choices:
+            self._beam_answer(lead)
+            return
+        beams = [
+            Sequence(request, lead.chooser, lead.detokenizer, lead.queue, lead.reserved // request.num_beams,
+                     lead.arrived, lead.joined, done=rows[p].done, cache=rows[p].cache, output=[*rows[p].output, t],
+                     lead=lead)
+            for p, t in choices
+        ]  # fmt: skip
+        if lead.beams:
+            for old in lead.beams:
+                old.finished, old.cache = True, []
+        else:  # the prompt's row leaves: its beams hold its reservation
+            self.running.remove(lead)
+            lead.cache = []
+        lead.beams = beams
+        self.running.extend(beams)
+
+    def _beam_answer(self, lead: Sequence) -> None:
+        """A beam search's answer: its best hypothesis, in one chunk."""
+        assert lead.search is not None
+        tokens = lead.search.best()[0].tokens
+        lead.output = list(tokens)
+        self.observer.first_token(time.monotonic() - lead.arrived, lead.joined - lead.arrived)  # the client's
+        ended = bool(tokens) and tokens[-1] in lead.search.eos
+        text = lead.detokenizer.decode(list(tokens[:-1] if ended else tokens))
+        reason: FinishReason = "stop" if ended else "length"
+        self._finish(lead, GenerationChunk(tokens, text, reason, len(lead.prompt), len(tokens)), None)
+
     def _finish(self, s: Sequence, chunk: GenerationChunk | None, error: ServingError | None) -> None:
+        if s.owner.beams or s.lead is not None:  # a beam search: all its rows leave, its request hears once
+            s = s.owner
+            if s.finished:
+                return
+            for row in s.beams:
+                row.finished, row.cache = True, []
         s.finished = True
         s.cache = []
         if error is not None:

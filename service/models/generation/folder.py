@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from service.models.generation.capability import GenerationDefaults
+from service.models.generation.capability import EarlyStopping, GenerationDefaults
 from service.repository.layout import MAX_CONFIG_BYTES, RepositoryError, folder_json
 
 __all__ = ["CAUSAL_ARCHITECTURES", "DEFAULT_MAX_NEW_TOKENS", "FolderSettings", "read_folder", "recognises"]
@@ -59,6 +59,10 @@ def _number(value: Any, default: float) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
 
 
+def _early_stopping(value: Any) -> EarlyStopping:
+    return value if value is True or value == "never" else False
+
+
 def read_tokenizer(directory: Path, where: str) -> Tokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
@@ -97,6 +101,8 @@ def read_folder(directory: Path, encoder_decoder: bool, tokenizer: Tokenizer, wh
         top_p=_number(setting("top_p"), 1.0),
         top_k=int(_number(setting("top_k"), 50)),  # transformers samples from the 50 best by default
         num_beams=int(_number(setting("num_beams"), 1)),
+        length_penalty=_number(setting("length_penalty"), 1.0),
+        early_stopping=_early_stopping(setting("early_stopping")),
         repetition_penalty=_number(setting("repetition_penalty"), 1.0),
     )
     start = _ids(setting("decoder_start_token_id"))

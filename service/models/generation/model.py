@@ -3,9 +3,10 @@
     text_input (BYTES [1])  ->  text_output (BYTES [1]), finish_reason (BYTES [1]),
                                 prompt_tokens (INT64 [1]), completion_tokens (INT64 [1])
 
-as a plain v2 infer (parameters max_tokens, temperature, top_p, top_k, seed, num_beams, repetition_penalty,
-stop, stop_token_ids, ignore_eos), and as the `Generator` capability the streaming front ends read chunk by
-chunk. The graphs run in one decoding engine (engine.py) per version.
+as a plain v2 infer (parameters max_tokens, temperature, top_p, top_k, seed, num_beams, length_penalty,
+early_stopping, repetition_penalty, stop, stop_token_ids, ignore_eos), and as the `Generator` capability the
+streaming front ends read chunk by chunk. The graphs run in one decoding engine (engine.py) per version; a
+beam search (num_beams > 1) runs its beams as rows of the same batch and answers in one chunk.
 """
 
 from __future__ import annotations
@@ -185,8 +186,6 @@ class GenerationModel:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """The answer chunk by chunk; closing the stream early cancels the sequence (freed within a step)."""
         check_request(request, self.settings.defaults, self.settings.vocab_size, self.name)
-        if request.num_beams > 1:
-            raise InvalidArgument(f"num_beams: model '{self.name}' does not run beam search (num_beams must be 1)")
         queue: asyncio.Queue[Message] = asyncio.Queue()
         sequence = self._sequence(request, queue)
         self.engine.submit(sequence)

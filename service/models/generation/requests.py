@@ -12,7 +12,7 @@ from typing import Any
 from service.errors import InvalidArgument
 from service.models.generation.capability import GenerationDefaults, GenerationRequest
 
-__all__ = ["MAX_STOP", "MAX_STOP_CHARS", "check_request", "from_parameters"]
+__all__ = ["MAX_BEAMS", "MAX_STOP", "MAX_STOP_CHARS", "check_request", "from_parameters"]
 
 MAX_STOP = 16  # stop strings (and stop token ids) a request may give
 MAX_STOP_CHARS = 256
@@ -41,6 +41,12 @@ def check_request(r: GenerationRequest, d: GenerationDefaults, vocab_size: int, 
         raise InvalidArgument(f"num_beams must be in [1, {MAX_BEAMS}], got {r.num_beams}")
     if r.num_beams > 1 and r.do_sample:
         raise InvalidArgument("num_beams > 1 is beam search: it does not sample (do_sample must be false)")
+    if r.num_beams > 1 and r.stop:
+        raise InvalidArgument("num_beams > 1 is beam search: it takes stop_token_ids but no stop strings (stop)")
+    if not math.isfinite(r.length_penalty):
+        raise InvalidArgument(f"length_penalty must be a finite number, got {r.length_penalty}")
+    if r.early_stopping not in (True, False, "never"):
+        raise InvalidArgument(f'early_stopping must be true, false or "never", got {r.early_stopping!r}')
     if len(r.stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in r.stop):
         raise InvalidArgument(f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
     if len(r.stop_token_ids) > MAX_STOP or any(not 0 <= t < vocab_size for t in r.stop_token_ids):
@@ -93,8 +99,8 @@ def _ids(value: Any, key: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-KNOWN = ("max_tokens", "temperature", "top_p", "top_k", "seed", "num_beams", "repetition_penalty", "stop",
-         "stop_token_ids", "ignore_eos", "do_sample")  # fmt: skip
+KNOWN = ("max_tokens", "temperature", "top_p", "top_k", "seed", "num_beams", "length_penalty", "early_stopping",
+         "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "do_sample")  # fmt: skip
 
 
 def from_parameters(prompt: tuple[int, ...], params: dict[str, Any], d: GenerationDefaults,
@@ -113,6 +119,9 @@ def from_parameters(prompt: tuple[int, ...], params: dict[str, Any], d: Generati
     ignore = params.get("ignore_eos", False)
     if not isinstance(ignore, bool):
         raise InvalidArgument("parameter 'ignore_eos' must be a boolean")
+    early = params.get("early_stopping", d.early_stopping)
+    if early not in (True, False, "never"):
+        raise InvalidArgument(f"parameter 'early_stopping' must be true, false or \"never\", got {early!r:.32}")
     return GenerationRequest(
         prompt_ids=prompt,
         max_tokens=_integer(params, "max_tokens", d.max_new_tokens),
@@ -122,6 +131,8 @@ def from_parameters(prompt: tuple[int, ...], params: dict[str, Any], d: Generati
         top_k=_integer(params, "top_k", d.top_k if sample else 0),
         seed=seed,
         num_beams=_integer(params, "num_beams", 1 if sample else d.num_beams),
+        length_penalty=_number(params, "length_penalty", d.length_penalty),
+        early_stopping=early,
         repetition_penalty=_number(params, "repetition_penalty", d.repetition_penalty),
         stop=_strings(params["stop"], "stop") if "stop" in params else (),
         stop_token_ids=_ids(params["stop_token_ids"], "stop_token_ids") if "stop_token_ids" in params else (),
