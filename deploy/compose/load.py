@@ -25,8 +25,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
-from service import protocol  # noqa: E402
-from service.tools.client import g2p_outputs, g2p_request  # noqa: E402
+from service import protocol
+from service.tools.client import g2p_outputs, g2p_request
 
 WORDS = ["attention", "transformer", "hello", "world", "sequence", "batch", "docker", "replica"]
 BACKOFF_S = (0.05, 1.0)  # first pause, longest pause
