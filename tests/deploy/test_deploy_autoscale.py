@@ -169,9 +169,24 @@ def test_the_simulations_files_are_valid(tmp_path: Path) -> None:
     shutil.copy(SIMULATION / "prometheus.yml", tmp_path / "prometheus.yml")
     shutil.copy(PROMETHEUS / "rules.yml", tmp_path / "rules.yml")
     ok(run([tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")]))
-    cfg = (SIMULATION / "haproxy" / "haproxy.cfg").read_text(encoding="utf-8").split()
-    slots = [cfg[i + 2] for i, word in enumerate(cfg) if word == "server-template"]
-    assert slots and all(int(s.split("-")[1]) >= autoscaler.rule_from_scaled_object().max_replicas for s in slots)
+    slots = _slots((SIMULATION / "haproxy" / "haproxy.cfg").read_text(encoding="utf-8"))
+    assert set(slots) == {"qkv-grpc", "qkv-http"}, slots
+    assert min(slots.values()) >= autoscaler.rule_from_scaled_object().max_replicas, slots
+
+
+def _slots(cfg: str) -> Counter[str]:
+    """Each HAProxy backend's servers: its `server` lines and the servers of its `server-template`s."""
+    slots: Counter[str] = Counter()
+    backend = None
+    for words in (line.split("#")[0].split() for line in cfg.splitlines()):
+        if words and words[0] in ("global", "defaults", "resolvers", "frontend", "backend"):
+            backend = words[1] if words[0] == "backend" else None
+        elif backend and words and words[0] == "server":
+            slots[backend] += 1
+        elif backend and words and words[0] == "server-template":
+            first, last = words[2].split("-")
+            slots[backend] += int(last) - int(first) + 1
+    return slots
 
 
 # --- the simulation, for real ----------------------------------------------------------------------------
@@ -317,6 +332,9 @@ def test_a_load_step_settles_at_the_replicas_the_rule_predicts(simulation: Simul
     # Settled at 4x: the replicas are the predicted count, and the signal itself asks for exactly that.
     assert {(d["current"], d["recommended"], d["replicas"]) for d in settled} == {(UP, UP, UP)}, settled
     assert {d["current"] for d in after} == {BASE}, after
+    # The balancer found the new replicas: at the end of the 4x step, each of the UP answered requests.
+    serving = f'count(increase(qkv_requests_total{{job="qkv", model="g2p"}}[10s] @ {down_at:.3f}) > 0)'
+    assert autoscaler.query(prometheus, serving) == UP
     # Scaled down by draining: each replica removed got SIGTERM, answered what it held and exited by itself.
     removed = [a for a in replica_exits if a.get("com.docker.compose.service") == "qkv"]
     assert len(removed) == UP - BASE and all(a["exitCode"] == "0" for a in removed), replica_exits
