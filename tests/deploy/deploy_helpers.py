@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DOCKER = DEPLOY / "docker"
 COMPOSE = ROOT / "docker-compose.yml"
+SIMULATION = DEPLOY / "compose"  # the autoscaling simulation: an overlay on COMPOSE and its scripts
 OVERLAYS = ("cpu", "gpu", "cpu-tracing", "cpu-poll", "cpu-keda", "gpu-keda")
 KEDA_OVERLAYS = ("cpu-keda", "gpu-keda")  # a ScaledObject in place of the HorizontalPodAutoscaler
 
@@ -111,6 +113,16 @@ def module(name: str) -> None:
             f"Python module {name} is missing; install it with: {sys.executable} -m pip install {PIP[name]}",
             pytrace=False,
         )
+
+
+def compose_script(name: str) -> ModuleType:
+    """deploy/compose/NAME.py, imported: the simulation's scripts are files to run, not a package."""
+    spec = importlib.util.spec_from_file_location(f"qkv_compose_{name}", SIMULATION / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    found = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = found  # dataclasses look their module up
+    spec.loader.exec_module(found)
+    return found
 
 
 def run(
