@@ -14,7 +14,7 @@ __all__ = ["HEADER", "WorkerIdentity"]
 HEADER = "qkv-worker"
 
 
-class WorkerIdentity(grpc.aio.ServerInterceptor):
+class WorkerIdentity(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, index: int) -> None:
         self.metadata = ((HEADER, f"{index} {os.getpid()}"),)
 
@@ -32,4 +32,4 @@ class WorkerIdentity(grpc.aio.ServerInterceptor):
             context.set_trailing_metadata(metadata)
             return await inner(request, context)
 
-        return handler._replace(unary_unary=answered)  # type: ignore[attr-defined]
+        return handler._replace(unary_unary=answered)

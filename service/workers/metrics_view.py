@@ -50,10 +50,10 @@ def combine(texts: Iterable[str]) -> list[Metric]:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 series[family.name].setdefault(key, []).append(sample.value)
     for name, metric in families.items():
-        for (sample, labels), values in series[name].items():
-            rule = _rule(name, sample)
+        for (sample_name, labels), values in series[name].items():
+            rule = _rule(name, sample_name)
             value = values[0] if rule == "one" else sum(values) / len(values) if rule == "mean" else sum(values)
-            metric.add_sample(sample, dict(labels), value)
+            metric.add_sample(sample_name, dict(labels), value)
     return list(families.values())
 
 

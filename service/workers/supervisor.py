@@ -140,7 +140,8 @@ class Supervisor:
         operation, origin = message[0], message[1]
         if operation == "load":
             name, parameters = message[2], message[3]
-            await self._everywhere(("load", name, parameters), lambda: self.models.__setitem__(name, ("load", parameters)))
+            loaded = ("load", parameters)
+            await self._everywhere(("load", name, parameters), lambda: self.models.__setitem__(name, loaded))
         elif operation == "unload":
             name = message[2]
             await self._everywhere(("unload", name), lambda: self.models.__setitem__(name, ("unload",)))
@@ -157,9 +158,7 @@ class Supervisor:
             self.regions.append((change, args))
             return
         name, caller = args  # unregister: one region, or every one of the caller's
-        self.regions = [
-            (c, a) for c, a in self.regions if not (a[5] == caller and (not name or a[0] == name))
-        ]
+        self.regions = [(c, a) for c, a in self.regions if not (a[5] == caller and (not name or a[0] == name))]
 
     async def _everywhere(
         self,
@@ -179,16 +178,16 @@ class Supervisor:
         for worker, error in errors:
             if ignore is None or not isinstance(error, ignore):
                 raise type(error)(f"worker {worker.index}: {error.message}")
-        for worker, result in zip(workers, results, strict=True):
+        for result in results:
             if isinstance(result, BaseException) and not isinstance(result, (ServingError, channel.ChannelError)):
                 raise result
 
     async def _replay(self, worker: _Worker) -> None:
         """The changes made since the start, on a worker that replaces one that died."""
         assert worker.peer is not None
-        for name, change in list(self.models.items()):
+        for name, last in list(self.models.items()):
             with contextlib.suppress(ServingError, channel.ChannelError):
-                await worker.peer.call((change[0], name, *change[1:]))
+                await worker.peer.call((last[0], name, *last[1:]))
         for change, args in list(self.regions):
             with contextlib.suppress(ServingError, channel.ChannelError):
                 await worker.peer.call(("regions", change, args))
@@ -213,13 +212,14 @@ class Supervisor:
         metrics = None
         if s.metrics_port >= 0:
             registry = CollectorRegistry(auto_describe=False)  # the view is read at each scrape, never before
-            registry.register(self._view)  # type: ignore[arg-type]
+            registry.register(self._view)
             metrics = MetricsServer(registry, s.http_timeout)
             host = s.metrics_host or s.host
             try:
                 self.metrics_port = metrics.bind(host, s.metrics_port)
             except OSError as e:
-                raise ConfigError("--metrics-port", f"cannot bind the metrics port {host}:{s.metrics_port}: {e}") from None
+                where = f"{host}:{s.metrics_port}"
+                raise ConfigError("--metrics-port", f"cannot bind the metrics port {where}: {e}") from None
             await metrics.start()
         stop = asyncio.Event()
 
