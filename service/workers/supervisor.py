@@ -83,8 +83,12 @@ class Supervisor:
         self.settings, self.count = settings, count
         self.directory = Path(tempfile.mkdtemp(prefix="qkv-workers-"))  # mode 0700: the server's user only
         self.workers = [_Worker(i) for i in range(count)]
-        self.models: dict[str, tuple[Any, ...]] = {}  # name -> its last change ("load", parameters) / ("unload",)
-        self.regions: list[tuple[str, tuple[Any, ...]]] = []  # region changes still in force, in order
+        # What was changed since the start, numbered: each model's last change (name -> (number, "load",
+        # parameters) or (number, "unload")), every region change, and the registrations still in force.
+        self.changes = 0
+        self.models: dict[str, tuple[Any, ...]] = {}
+        self.region_log: list[tuple[int, str, tuple[Any, ...]]] = []
+        self.regions: list[tuple[Any, ...]] = []
         self.stopping = False
         self._sockets: list[socket.socket] = []
         self.grpc_port = self.http_port = self.metrics_port = 0
@@ -102,8 +106,10 @@ class Supervisor:
             self._sockets.append(http_socket)
             self.http_port = http_socket.getsockname()[1]
 
-    def _spec(self, index: int) -> WorkerSpec:
+    def _spec(self, index: int, models: tuple[str, ...] | None, regions: tuple[Any, ...]) -> WorkerSpec:
         s = self.settings
+        if models is not None and s.model_control_mode == "explicit":
+            s = dataclasses.replace(s, load_model=models)  # what the others serve now
         settings = dataclasses.replace(
             s,
             grpc_port=self.grpc_port,
@@ -112,10 +118,10 @@ class Supervisor:
             metrics_port=0 if s.metrics_port >= 0 else -1,
         )
         cores = plan.cores_of(index, self.count, plan.usable_cores())
-        return WorkerSpec(settings, index, self.count, self.directory, tuple(cores))
+        return WorkerSpec(settings, index, self.count, self.directory, tuple(cores), regions)
 
-    def _spawn(self, worker: _Worker) -> None:
-        env = {**os.environ, SPEC_VARIABLE: self._spec(worker.index).encode()}
+    def _spawn(self, worker: _Worker, models: tuple[str, ...] | None = None, regions: tuple[Any, ...] = ()) -> None:
+        env = {**os.environ, SPEC_VARIABLE: self._spec(worker.index, models, regions).encode()}
         worker.process = subprocess.Popen([sys.executable, "-m", "service.workers.worker"], env=env)
         worker.started, worker.ready, worker.metrics_port = time.monotonic(), False, 0
         worker.peer = channel.Peer(socket_path(self.directory, worker.index), f"worker {worker.index}")
@@ -140,11 +146,10 @@ class Supervisor:
         operation, origin = message[0], message[1]
         if operation == "load":
             name, parameters = message[2], message[3]
-            loaded = ("load", parameters)
-            await self._everywhere(("load", name, parameters), lambda: self.models.__setitem__(name, loaded))
+            await self._everywhere(("load", name, parameters), lambda: self._record_model(name, "load", parameters))
         elif operation == "unload":
             name = message[2]
-            await self._everywhere(("unload", name), lambda: self.models.__setitem__(name, ("unload",)))
+            await self._everywhere(("unload", name), lambda: self._record_model(name, "unload"))
         elif operation == "regions":
             change, args = message[2], message[3]
             self._record_region(change, args)
@@ -153,12 +158,18 @@ class Supervisor:
             raise ValueError(f"unknown control request {operation!r}")
         return None
 
+    def _record_model(self, name: str, *change: Any) -> None:
+        self.changes += 1
+        self.models[name] = (self.changes, *change)
+
     def _record_region(self, change: str, args: tuple[Any, ...]) -> None:
+        self.changes += 1
+        self.region_log.append((self.changes, change, args))
         if change == "register":
-            self.regions.append((change, args))
+            self.regions.append(args)
             return
         name, caller = args  # unregister: one region, or every one of the caller's
-        self.regions = [(c, a) for c, a in self.regions if not (a[5] == caller and (not name or a[0] == name))]
+        self.regions = [a for a in self.regions if not (a[5] == caller and (not name or a[0] == name))]
 
     async def _everywhere(
         self,
@@ -182,15 +193,27 @@ class Supervisor:
             if isinstance(result, BaseException) and not isinstance(result, (ServingError, channel.ChannelError)):
                 raise result
 
-    async def _replay(self, worker: _Worker) -> None:
-        """The changes made since the start, on a worker that replaces one that died."""
+    async def _ready_models(self) -> tuple[str, ...] | None:
+        """The models a ready worker serves now (None: no worker answers)."""
+        for worker in self.workers:
+            if worker.ready and worker.peer is not None:
+                with contextlib.suppress(ServingError, channel.ChannelError):
+                    return tuple(await worker.peer.call(("models",)))
+        return None
+
+    async def _replay(self, worker: _Worker, since: int) -> None:
+        """On a worker that replaces one that died, once it answers: the changes made after it was started
+        (it started with the models then served and the regions then registered), and the loads that
+        carried a config.json of their own."""
         assert worker.peer is not None
-        for name, last in list(self.models.items()):
-            with contextlib.suppress(ServingError, channel.ChannelError):
-                await worker.peer.call((last[0], name, *last[1:]))
-        for change, args in list(self.regions):
-            with contextlib.suppress(ServingError, channel.ChannelError):
-                await worker.peer.call(("regions", change, args))
+        for name, (number, *change) in list(self.models.items()):
+            if number > since or (change[0] == "load" and change[1]):
+                with contextlib.suppress(ServingError, channel.ChannelError):
+                    await worker.peer.call((change[0], name, *change[1:]))
+        for number, change, args in list(self.region_log):
+            if number > since:
+                with contextlib.suppress(ServingError, channel.ChannelError):
+                    await worker.peer.call(("regions", change, args))
 
     # --- run ----------------------------------------------------------------------------------------
 
@@ -201,9 +224,10 @@ class Supervisor:
         await asyncio.sleep(worker.delay if lived <= STABLE_S else 0.0)
         if self.stopping:
             return
-        self._spawn(worker)
+        since, models = self.changes, await self._ready_models()
+        self._spawn(worker, models, tuple(self.regions))
         if await self._until_ready(worker):
-            await self._replay(worker)
+            await self._replay(worker, since)
 
     async def run(self) -> int:
         s = self.settings

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import ServerSettings
-from service.errors import ConfigError
+from service.errors import ConfigError, ServingError
 from service.observability import logs
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
@@ -46,6 +46,7 @@ class WorkerSpec:
     count: int
     directory: Path  # the control channel's sockets (mode 0700)
     cores: tuple[int, ...]  # this worker's share (empty: left as it is)
+    regions: tuple[tuple[Any, ...], ...] = ()  # the shared memory registrations in force (a restarted worker)
 
     def encode(self) -> str:
         return base64.b64encode(pickle.dumps(self)).decode()
@@ -61,6 +62,8 @@ async def _control(server: Server, plane: WorkerPlane, message: tuple[Any, ...])
     operation, args = message[0], message[1:]
     if operation == "info":
         return {"pid": os.getpid(), "metrics_port": server.metrics_port}
+    if operation == "models":
+        return server.registry.ready_names()
     if operation == "load":
         return await plane.apply_load(*args)
     if operation == "unload":
@@ -88,6 +91,11 @@ async def _work(spec: WorkerSpec) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    for region in spec.regions:  # registered on the other workers before this one started
+        try:
+            server.shared_memory.register(*region)
+        except ServingError as e:
+            log.warning("worker %d: shared memory region %s not registered again: %s", spec.index, region[0], e)
     try:
         await server.start()
     except BaseException:

@@ -1,0 +1,232 @@
+"""`qkv serve --workers 2`: two worker processes behind one port, started as a user starts them. Each worker
+names itself in every unary gRPC answer's trailing metadata (qkv-worker: INDEX PID); a client on a connection
+of its own reaches one worker, so the tests open connections until both have answered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as g
+import tritonclient.utils.shared_memory as shm
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from service import protocol
+from service.workers.identity import HEADER
+from tests.conftest import RunningServer, scale_model, start_server, stop_server
+from tests.service.test_sequence_server import _inputs, sequence_models
+from tests.service.test_shared_memory import SIZE, X0, X1, _simple
+
+LIVE = f"/{protocol.SERVICE_NAME}/ServerLive"
+SCALE_X = np.array([[1.0, 2.0, 3.0]], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """Two workers, explicit model control: `scale` and `simple` (shared memory) and the sequence models
+    loaded at start, `scale_later` loaded by a test."""
+    root = tmp_path_factory.mktemp("workers") / "models"
+    sequence_models(root)
+    scale_model(root / "scale")
+    scale_model(root / "scale_later")
+    _simple(root / "simple")
+    loads = [a for name in ("scale", "simple", "simple_string_dyna_sequence") for a in ("--load-model", name)]
+    args = ["--model-repository", str(root), "--workers", "2", "--model-control-mode", "explicit", *loads,
+            "--grace-period", "5"]  # fmt: skip
+    s = start_server(args, root.parent / "server.log")
+    yield s
+    assert stop_server(s) == 0, s.output()  # SIGTERM: every worker drains, the supervisor exits 0
+
+
+class Connection:
+    """A tritonclient on a connection of its own (no subchannel shared with other clients), and the worker
+    that serves that connection (index, pid)."""
+
+    def __init__(self, url: str) -> None:
+        self.client = g.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        self.worker = self.identity()
+
+    def identity(self) -> tuple[int, int]:
+        live = self.client._channel.unary_unary(  # the client's own channel: the same connection
+            LIVE,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=protocol.message_class("ServerLiveResponse").FromString,
+        )
+        _, call = live.with_call(protocol.message_class("ServerLiveRequest")())
+        [value] = [v for k, v in call.trailing_metadata() if k == HEADER]
+        index, pid = value.split()
+        return int(index), int(pid)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _connections(url: str, each: int = 1, tries: int = 200) -> list[Connection]:
+    """Connections until each worker serves `each` of them."""
+    kept: dict[int, list[Connection]] = {0: [], 1: []}
+    for _ in range(tries):
+        c = Connection(url)
+        if len(kept[c.worker[0]]) < each:
+            kept[c.worker[0]].append(c)
+        else:
+            c.close()
+        if all(len(v) == each for v in kept.values()):
+            return [c for i in (0, 1) for c in kept[i]]
+    raise AssertionError(f"{tries} connections did not reach both workers: {kept}")
+
+
+def _scale(client: Any, model: str = "scale") -> np.ndarray:
+    x = g.InferInput("x", [1, 3], "FP32")
+    x.set_data_from_numpy(SCALE_X)
+    return client.infer(model, [x]).as_numpy("y")
+
+
+def _index(client: Any, name: str) -> str:
+    [row] = [m for m in client.get_model_repository_index().models if m.name == name]
+    return str(row.state)
+
+
+def test_a_load_and_an_unload_on_one_worker_apply_on_both(served: RunningServer) -> None:
+    first, second = _connections(served.url)
+    assert first.worker[1] != second.worker[1]
+    for c in (first, second):
+        assert not c.client.is_model_ready("scale_later")
+    first.client.load_model("scale_later")  # answered once both workers have it
+    for c in (first, second):
+        assert c.client.is_model_ready("scale_later") and _index(c.client, "scale_later") == "READY"
+        np.testing.assert_allclose(_scale(c.client, "scale_later"), SCALE_X * [1, 2, 3])
+    second.client.unload_model("scale_later")
+    for c in (first, second):
+        assert not c.client.is_model_ready("scale_later") and _index(c.client, "scale_later") == "UNAVAILABLE"
+    with pytest.raises(InferenceServerException, match=r"worker [01]: .*config"):  # an error names its worker
+        first.client.load_model("scale_later", config='["not an object"]')
+    first.client.load_model("scale_later")  # loaded again: the kill test checks a restarted worker has it
+    for c in (first, second):
+        c.close()
+
+
+def test_shared_memory_registered_on_one_worker_is_used_on_the_other(served: RunningServer) -> None:
+    first, second = _connections(served.url)
+    key = f"/qkv_test_{os.getpid()}_workers"
+    region = shm.create_shared_memory_region("in", key, 2 * SIZE)
+    try:
+        shm.set_shared_memory_region(region, [X0])
+        shm.set_shared_memory_region(region, [X1], offset=SIZE)
+        first.client.register_system_shared_memory("in", key, 2 * SIZE)
+        inputs = [g.InferInput("INPUT0", [1, 16], "INT32"), g.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_shared_memory("in", SIZE)
+        inputs[1].set_shared_memory("in", SIZE, offset=SIZE)
+        for c in (second, first):
+            result = c.client.infer("simple", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), X0 + X1)
+        second.client.unregister_system_shared_memory("in")
+        for c in (first, second):
+            assert c.client.get_system_shared_memory_status() == {} or not c.client.get_system_shared_memory_status(
+                as_json=True
+            )
+            with pytest.raises(InferenceServerException, match="in"):
+                c.client.infer("simple", inputs)
+    finally:
+        shm.destroy_shared_memory_region(region)
+        for c in (first, second):
+            c.close()
+
+
+def test_a_sequence_keeps_its_state_across_connections_to_both_workers(served: RunningServer) -> None:
+    connections = _connections(served.url, each=2)
+    values = [20, 11, 7, 5, 3, 2, 0, 1]
+    for sequence in ("1000", "1001", "1002", "1003"):  # hashed onto both workers
+        answers = []
+        for i, value in enumerate(values):
+            c = connections[i % len(connections)]
+            r = c.client.infer("simple_string_dyna_sequence", _inputs(value), sequence_id=sequence,
+                               sequence_start=i == 0, sequence_end=i == len(values) - 1)  # fmt: skip
+            answers.append(int(r.as_numpy("OUTPUT")[0, 0]))
+        # Its state, the running sum of the sequence's inputs; its id added at the end (Triton's example).
+        expected = [int(v) for v in np.cumsum(values)]
+        expected[-1] += int(sequence)
+        assert answers == expected, sequence
+    for c in connections:
+        c.close()
+
+
+def _requests(metrics_url: str, model: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "qkv_requests":
+            return sum(s.value for s in family.samples if s.name == "qkv_requests_total" and s.labels["model"] == model)
+    return 0.0
+
+
+def test_metrics_sum_over_the_workers(served: RunningServer) -> None:
+    before = _requests(served.metrics_url, "scale")
+    connections = _connections(served.url, each=2)
+    for c in connections:
+        for _ in range(3):
+            _scale(c.client)
+        c.close()
+    assert _requests(served.metrics_url, "scale") - before == 3 * len(connections)
+
+
+def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
+    victim_index, victim = _connections(served.url)[0].worker
+    failures: list[str] = []
+    answered = [0]
+    lost: list[str] = []
+    stop = threading.Event()
+
+    def retried(call: Any) -> Any:
+        """`call()`, retried as a client retries a retryable failure; every failure noted."""
+        for _ in range(200):
+            try:
+                return call()
+            except InferenceServerException as e:
+                failures.append(str(e.status()))
+            except grpc.RpcError as e:  # connecting (ServerLive): a connection the killed worker had queued
+                failures.append(str(e.code()))
+            time.sleep(0.05)
+        lost.append("gave up")
+
+    def load() -> None:
+        while not stop.is_set():
+            c = retried(lambda: Connection(served.url))
+            for _ in range(5):
+                if retried(partial(_scale, c.client)) is not None:
+                    answered[0] += 1
+            c.close()
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    restarted = None
+    while time.monotonic() < deadline and restarted is None:
+        time.sleep(0.05)
+        c = Connection(served.url)
+        if c.worker[0] == victim_index and c.worker[1] != victim:
+            restarted = c
+        else:
+            c.close()
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert restarted is not None, "the killed worker was not restarted"
+    assert not lost and answered[0] > 0
+    assert set(failures) <= {"StatusCode.UNAVAILABLE"}, failures
+    # The restarted worker has what was loaded since the start (replayed): scale_later, loaded by a test above.
+    assert restarted.client.is_model_ready("scale")
+    assert restarted.client.is_model_ready("scale_later")
+    restarted.close()
