@@ -206,10 +206,10 @@ class Supervisor:
         (it started with the models then served and the regions then registered), and the loads that
         carried a config.json of their own."""
         assert worker.peer is not None
-        for name, (number, *change) in list(self.models.items()):
-            if number > since or (change[0] == "load" and change[1]):
+        for name, (number, *last) in list(self.models.items()):
+            if number > since or (last[0] == "load" and last[1]):
                 with contextlib.suppress(ServingError, channel.ChannelError):
-                    await worker.peer.call((change[0], name, *change[1:]))
+                    await worker.peer.call((last[0], name, *last[1:]))
         for number, change, args in list(self.region_log):
             if number > since:
                 with contextlib.suppress(ServingError, channel.ChannelError):
