@@ -13,14 +13,17 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from service.errors import ServingError, Unavailable, quote
 from service.frontends.shared_memory import SharedMemoryRegistry
-from service.models.catalog import input_limits
+from service.models.catalog import ServedVersion, input_limits
+from service.models.common import ModelStats
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 from service.workers.channel import ChannelError, Peer
+from service.workers.statistics import asked, summed
 
 __all__ = ["WorkerLink", "WorkerPlane", "WorkerRegions", "owner"]
 
@@ -38,6 +41,7 @@ class WorkerLink:
     count: int
     supervisor: Peer
     workers: list[Peer] = field(default_factory=list)
+    statistics: list[Path] = field(default_factory=list)  # each worker's statistics socket
 
     async def everywhere(self, message: tuple[Any, ...]) -> Any:
         """`message` applied by the supervisor on every worker; Unavailable when the supervisor is gone."""
@@ -70,6 +74,18 @@ class WorkerPlane(DataPlane):
 
     async def apply_unload(self, name: str) -> None:
         await DataPlane.unload(self, name)
+
+    def statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
+        """Every worker's counts summed (service/workers/statistics.py)."""
+        local = super().statistics(name, version)
+        if self.link is None or self.link.count == 1:
+            return local
+        others = [asked(path, name, version) for i, path in enumerate(self.link.statistics) if i != self.link.index]
+        return cast(list[ServedVersion], summed(local, others))
+
+    def own_statistics(self, name: str, version: str) -> list[tuple[str, str, ModelStats]]:
+        """This worker's counts alone (what it adds to another's answer)."""
+        return [(m.name, m.version, m.stats) for m in DataPlane.statistics(self, name, version)]
 
     async def infer(self, request: InferRequest) -> InferResponse | ServingError:
         link = self.link

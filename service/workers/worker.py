@@ -31,6 +31,7 @@ from service.serving.memory import one_malloc_arena
 from service.workers import channel
 from service.workers.identity import WorkerIdentity
 from service.workers.routing import WorkerLink, WorkerPlane, WorkerRegions
+from service.workers.statistics import StatisticsServer
 
 __all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "socket_path"]
 
@@ -84,6 +85,7 @@ async def _work(spec: WorkerSpec) -> int:
         spec.count,
         channel.Peer(socket_path(spec.directory, None), "the supervisor"),
         [channel.Peer(socket_path(spec.directory, i), f"worker {i}") for i in range(spec.count)],
+        [spec.directory / f"statistics-{i}.sock" for i in range(spec.count)],
     )
     assert isinstance(server.plane, WorkerPlane) and isinstance(server.shared_memory, WorkerRegions)
     server.plane.link = server.shared_memory.link = link
@@ -104,6 +106,7 @@ async def _work(spec: WorkerSpec) -> int:
     path = socket_path(spec.directory, spec.index)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # the last one's, when this worker replaces one that died
+    statistics = StatisticsServer(link.statistics[spec.index], server.plane.own_statistics)
     control = await channel.serve(path, lambda message: _control(server, server.plane, message))  # type: ignore[arg-type]
     gc.collect()
     gc.freeze()  # as a single server does (service/server.py)
@@ -111,6 +114,7 @@ async def _work(spec: WorkerSpec) -> int:
     await stop.wait()
     await server.drain()
     control.close()
+    statistics.close()
     for peer in [link.supervisor, *link.workers]:
         peer.close()
     return 0

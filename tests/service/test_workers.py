@@ -168,14 +168,23 @@ def _requests(metrics_url: str, model: str) -> float:
     return 0.0
 
 
-def test_metrics_sum_over_the_workers(served: RunningServer) -> None:
-    before = _requests(served.metrics_url, "scale")
+def _successes(client: Any) -> int:
+    [stats] = client.get_inference_statistics("scale").model_stats
+    return int(stats.inference_stats.success.count)
+
+
+def test_metrics_and_statistics_sum_over_the_workers(served: RunningServer) -> None:
     connections = _connections(served.url, each=2)
+    before = _requests(served.metrics_url, "scale")
+    counted = [_successes(c.client) for c in connections]
+    assert len(set(counted)) == 1, counted  # every worker answers with the sum
     for c in connections:
         for _ in range(3):
             _scale(c.client)
-        c.close()
     assert _requests(served.metrics_url, "scale") - before == 3 * len(connections)
+    for c in connections:
+        assert _successes(c.client) - counted[0] == 3 * len(connections)
+        c.close()
 
 
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
