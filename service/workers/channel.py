@@ -3,7 +3,8 @@ request and one pickled answer (length-prefixed).
 
 Local and private: the sockets live in a directory only the server's user may enter (mode 0700), made by the
 supervisor, so pickle reads only what the server's own processes wrote. An answer is ("ok", value) or
-("error", exception): a ServingError raised on the far end is raised again where the call was made.
+("error", (code, message, retry_after_ms)): a ServingError raised on the far end is raised again where the call
+was made, as the class of its code. Calls on one connection are numbered, and answered as they finish.
 """
 
 from __future__ import annotations
@@ -47,12 +48,11 @@ async def serve(path: Path, handle: Callable[[Any], Awaitable[Any]]) -> asyncio.
     async def answer(writer: asyncio.StreamWriter, number: int, message: Any) -> None:
         try:
             reply: tuple[int, str, Any] = (number, "ok", await handle(message))
-        except ServingError as e:
-            e.__context__ = e.__cause__ = None
-            reply = (number, "error", e.with_traceback(None))
+        except ServingError as e:  # sent as its code and message: the class itself may not unpickle there
+            reply = (number, "error", (e.code, e.message, e.retry_after_ms))
         except Exception as e:  # a bug on this end: the caller gets it as an error, this end goes on
             log.exception("control request %r failed", message[0] if isinstance(message, tuple) else "")
-            reply = (number, "error", ServingError(f"{type(e).__name__}: {e}"))
+            reply = (number, "error", ("INTERNAL", f"{type(e).__name__}: {e}", None))
         if not writer.is_closing():
             writer.write(_frame(reply))
 
@@ -72,6 +72,12 @@ async def serve(path: Path, handle: Callable[[Any], Awaitable[Any]]) -> asyncio.
             writer.close()
 
     return await asyncio.start_unix_server(connected, path)
+
+
+def _error(code: str, message: str, retry_after_ms: int | None) -> ServingError:
+    """The far end's ServingError, as the class of its code."""
+    kind = next((k for k in ServingError.__subclasses__() if k.code == code), ServingError)
+    return kind(message, retry_after_ms)
 
 
 class Peer:
@@ -100,7 +106,7 @@ class Peer:
                 waiting = self._waiting.pop(number, None)
                 if waiting is not None and not waiting.done():
                     if status == "error":
-                        waiting.set_exception(value)
+                        waiting.set_exception(_error(*value))
                     else:
                         waiting.set_result(value)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):

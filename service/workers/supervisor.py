@@ -179,16 +179,20 @@ class Supervisor:
         ignore: type[ServingError] | None = None,
     ) -> None:
         """`message` applied on every ready worker (but `skip`); `record()` once one has applied it; the
-        first error, naming its worker. A worker not answering (restarting) is left out: the change is
+        first error (naming its worker, unless every worker
+        failed alike). A worker not answering (restarting) is left out: the change is
         replayed to it when it is back."""
         workers = [w for w in self.workers if w.ready and w.peer is not None and w.index != skip]
         results = await asyncio.gather(*(w.peer.call(message) for w in workers if w.peer), return_exceptions=True)
         errors = [(w, r) for w, r in zip(workers, results, strict=True) if isinstance(r, ServingError)]
         if record is not None and len(errors) < len(workers):
             record()
-        for worker, error in errors:
-            if ignore is None or not isinstance(error, ignore):
-                raise type(error)(f"worker {worker.index}: {error.message}")
+        errors = [(w, e) for w, e in errors if ignore is None or not isinstance(e, ignore)]
+        if errors:
+            worker, error = errors[0]
+            if len(errors) == len(workers) and len({e.message for _, e in errors}) == 1:
+                raise error  # the request's own error, the same on every worker: answered as one server would
+            raise type(error)(f"{error.message} (worker {worker.index})", error.retry_after_ms)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, (ServingError, channel.ChannelError)):
                 raise result
