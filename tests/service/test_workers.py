@@ -108,7 +108,7 @@ def test_a_load_and_an_unload_on_one_worker_apply_on_both(served: RunningServer)
     second.client.unload_model("scale_later")
     for c in (first, second):
         assert not c.client.is_model_ready("scale_later") and _index(c.client, "scale_later") == "UNAVAILABLE"
-    with pytest.raises(InferenceServerException, match="must be a JSON object, got list$"):  # as one server says
+    with pytest.raises(InferenceServerException, match=r"must be a JSON object, got list$"):  # as one server says
         first.client.load_model("scale_later", config='["not an object"]')
     first.client.load_model("scale_later")  # loaded again: the kill test checks a restarted worker has it
     for c in (first, second):
