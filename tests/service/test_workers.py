@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,11 +21,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as g
 import tritonclient.utils.shared_memory as shm
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from service import protocol
+from service.errors import ConfigError
 from service.workers.identity import HEADER
+from service.workers.metrics_view import combine
+from service.workers.plan import WORKER_BYTES, cores_of, worker_count
 from tests.conftest import RunningServer, scale_model, start_server, stop_server
 from tests.service.test_sequence_server import _inputs, sequence_models
 from tests.service.test_shared_memory import SIZE, X0, X1, _simple
@@ -239,3 +246,61 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(serve
     assert restarted.client.is_model_ready("scale")
     assert restarted.client.is_model_ready("scale_later")
     restarted.close()
+
+
+def test_worker_count_auto_is_one_per_two_cores_within_memory(tmp_path: Path) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.onnx").write_bytes(b"\0" * (512 << 20 >> 4))  # 32 MiB of model files
+    per_worker = WORKER_BYTES + (512 << 20 >> 4)
+    assert worker_count("auto", tmp_path, cores=16, memory=64 * per_worker) == 8
+    assert worker_count("auto", tmp_path, cores=16, memory=3 * per_worker + 1) == 3  # the memory bounds it
+    assert worker_count("auto", tmp_path, cores=1, memory=64 * per_worker) == 1
+    assert worker_count(" 3 ", tmp_path) == 3
+    for bad in ("0", "-1", "many", "1000"):
+        with pytest.raises(ConfigError, match=r"--workers") as e:
+            worker_count(bad, tmp_path)
+        assert e.value.key == "--workers"
+    assert cores_of(1, 2, [0, 1, 2, 3]) == [1, 3] and cores_of(0, 4, [0, 1]) == [0, 1]
+
+
+def test_serve_refuses_a_worker_count_it_cannot_run(tmp_path: Path) -> None:
+    answer = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--workers", "none",
+                             "--model-repository", str(tmp_path)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert answer.returncode == 2
+    assert answer.stderr.strip() == "qkv serve: --workers 'none': give a number of worker processes, or auto"
+
+
+def _scrape_of(value: float, info: float = 1.0) -> str:
+    registry = CollectorRegistry()
+    Counter("qkv_requests", "requests", ["model"], registry=registry).labels("m").inc(value)
+    Gauge("qkv_utilization", "utilization", ["model"], registry=registry).labels("m").set(value / 10)
+    Gauge("qkv_model_info", "model", ["model"], registry=registry).labels("m").set(info)
+    Histogram("qkv_request_duration_seconds", "latency", registry=registry, buckets=(0.1, 1.0)).observe(value / 10)
+    return generate_latest(registry).decode()
+
+
+def test_the_metrics_view_sums_counters_and_histograms_and_averages_the_capacity_signal() -> None:
+    families = {f.name: f for f in combine([_scrape_of(3.0), _scrape_of(5.0)])}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples["qkv_requests_total", (("model", "m"),)] == 8.0
+    assert samples["qkv_utilization", (("model", "m"),)] == pytest.approx(0.4)  # each worker batches on its own
+    assert samples["qkv_model_info", (("model", "m"),)] == 1.0
+    assert samples["qkv_request_duration_seconds_count", ()] == 2.0
+    assert samples["qkv_request_duration_seconds_bucket", (("le", "0.1"),)] == 0.0
+    assert samples["qkv_request_duration_seconds_bucket", (("le", "1.0"),)] == 2.0
+    assert samples["qkv_request_duration_seconds_sum", ()] == pytest.approx(0.8)
+    # What the supervisor answers parses as Prometheus's text format again, with the same values.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerMetricsOf(combine([_scrape_of(3.0), _scrape_of(5.0)])))
+    again = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert [s.value for s in again["qkv_requests"].samples if s.name == "qkv_requests_total"] == [8.0]
+
+
+class WorkerMetricsOf:
+    """A collector of fixed families."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        return iter(self.families)
