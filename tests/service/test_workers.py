@@ -264,8 +264,8 @@ def test_worker_count_auto_is_one_per_two_cores_within_memory(tmp_path: Path) ->
 
 
 def test_serve_refuses_a_worker_count_it_cannot_run(tmp_path: Path) -> None:
-    answer = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--workers", "none",
-                             "--model-repository", str(tmp_path)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [sys.executable, "-m", "service.cli", "serve", "--workers", "none", "--model-repository", str(tmp_path)]
+    answer = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert answer.returncode == 2
     assert answer.stderr.strip() == "qkv serve: --workers 'none': give a number of worker processes, or auto"
 
