@@ -118,7 +118,7 @@ class Supervisor:
             metrics_port=0 if s.metrics_port >= 0 else -1,
         )
         cores = plan.cores_of(index, self.count, plan.usable_cores())
-        return WorkerSpec(settings, index, self.count, self.directory, tuple(cores), regions)
+        return WorkerSpec(settings, index, self.count, self.directory, tuple(cores), regions, os.getpid())
 
     def _spawn(self, worker: _Worker, models: tuple[str, ...] | None = None, regions: tuple[Any, ...] = ()) -> None:
         env = {**os.environ, SPEC_VARIABLE: self._spec(worker.index, models, regions).encode()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -36,6 +37,7 @@ from service.workers.statistics import StatisticsServer
 __all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "socket_path"]
 
 SPEC_VARIABLE = "QKV_WORKER_SPEC"
+PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("qkv.workers")
 
@@ -48,6 +50,7 @@ class WorkerSpec:
     directory: Path  # the control channel's sockets (mode 0700)
     cores: tuple[int, ...]  # this worker's share (empty: left as it is)
     regions: tuple[tuple[Any, ...], ...] = ()  # the shared memory registrations in force (a restarted worker)
+    supervisor: int = 0  # its pid
 
     def encode(self) -> str:
         return base64.b64encode(pickle.dumps(self)).decode()
@@ -120,8 +123,18 @@ async def _work(spec: WorkerSpec) -> int:
     return 0
 
 
+def _exit_with_supervisor(supervisor: int) -> bool:
+    """SIGTERM to this worker when the supervisor dies (Linux's PR_SET_PDEATHSIG), so that no worker outlives
+    it and holds the ports; False when it is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return not supervisor or os.getppid() == supervisor
+
+
 def main() -> int:
     spec: WorkerSpec = pickle.loads(base64.b64decode(os.environ.pop(SPEC_VARIABLE)))
+    if not _exit_with_supervisor(spec.supervisor):
+        return 0
     if spec.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)  # before any thread: every thread started here inherits it
     one_malloc_arena()

@@ -304,3 +304,20 @@ class WorkerMetricsOf:
 
     def collect(self) -> Any:
         return iter(self.families)
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
+    scale_model(tmp_path / "models" / "scale")
+    s = start_server(["--model-repository", str(tmp_path / "models"), "--workers", "2"], tmp_path / "server.log")
+    try:
+        pid = s.process.pid
+        workers = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        assert len(workers) == 2
+        s.process.kill()
+        s.process.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived its supervisor"
+    finally:
+        stop_server(s)
