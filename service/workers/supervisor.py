@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -274,20 +275,21 @@ class Supervisor:
             f"{s.metrics_host or s.host}:{self.metrics_port} http {http}",
             flush=True,
         )
-        restarts: set[asyncio.Task[None]] = set()
+        restarts: dict[int, asyncio.Task[None]] = {}  # worker index -> its restart under way
         while not stop.is_set():
             for worker in self.workers:
                 process = worker.process
-                if process is not None and worker.ready and (code := process.poll()) is not None:
-                    worker.ready = False
-                    task = asyncio.create_task(self._restart(worker, code))
-                    restarts.add(task)
-                    task.add_done_callback(restarts.discard)
+                if process is None or worker.index in restarts or (code := process.poll()) is None:
+                    continue
+                worker.ready = False  # dead, or died while starting again: started (again) after a delay
+                task = asyncio.create_task(self._restart(worker, code))
+                restarts[worker.index] = task
+                task.add_done_callback(partial(_forget, restarts, worker.index))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_S)
         log.info("signal received: draining %d workers (grace %.1f s)", self.count, s.grace_period)
         await self._stop()
-        for task in restarts:
+        for task in list(restarts.values()):
             task.cancel()
         control.close()
         if metrics is not None:
@@ -318,6 +320,10 @@ class Supervisor:
             sock.close()
         self._view.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _forget(restarts: dict[int, asyncio.Task[None]], index: int, _: asyncio.Task[None]) -> None:
+    restarts.pop(index, None)
 
 
 def supervise(settings: ServerSettings, count: int) -> int:
