@@ -326,8 +326,9 @@ def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
 def test_a_worker_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
     scale_model(tmp_path / "models" / "scale")
     (tmp_path / "models" / "scale" / "config.json").write_text('{"batching": {"typo": 1}}')
-    command = [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--host", "127.0.0.1", "--grpc-port",
-               "0", "--http-port", "0", "--metrics-port", "0", "--model-repository", str(tmp_path / "models")]  # fmt: skip
+    ports = ["--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"]
+    command = [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--host", "127.0.0.1", *ports,
+               "--model-repository", str(tmp_path / "models")]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert answer.returncode == 2, answer.stderr
     assert "unknown setting(s) ['typo']" in answer.stderr and "serving" not in answer.stdout
