@@ -56,11 +56,17 @@ STABLE_S = 60.0  # a worker that lived this long restarts without delay
 
 
 def _reserve(host: str, port: int, flag: str) -> socket.socket:
-    """The port bound (SO_REUSEPORT, not listening): the workers bind it too."""
+    """The port bound (SO_REUSEPORT, not listening): the workers bind it too. It is first bound without
+    SO_REUSEPORT, so that a port another process holds (even one that shares it, as another supervisor's)
+    stops the start rather than splitting its traffic with it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    probe, sock = socket.socket(family, socket.SOCK_STREAM), socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a last run's connections in TIME_WAIT do not count
     try:
+        with probe:
+            probe.bind((host, port))
+            port = probe.getsockname()[1]  # port 0: the one chosen
         sock.bind((host, port))
     except OSError as e:
         sock.close()
