@@ -251,8 +251,9 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(serve
 def test_a_port_another_server_holds_stops_the_start(served: RunningServer, tmp_path: Path) -> None:
     """Even another supervisor's, whose workers share it (SO_REUSEPORT): a second server would split its traffic."""
     port = served.url.rsplit(":", 1)[1]
-    command = [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--host", "127.0.0.1",
-               "--grpc-port", port, "--http-port", "-1", "--metrics-port", "-1", "--model-repository", str(tmp_path)]  # fmt: skip
+    ports = ["--grpc-port", port, "--http-port", "-1", "--metrics-port", "-1"]
+    command = [sys.executable, "-m", "service.cli", "serve", "--workers", "2", "--host", "127.0.0.1", *ports,
+               "--model-repository", str(tmp_path)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert answer.returncode == 2
     assert answer.stderr.startswith(f"qkv serve: cannot bind the port 127.0.0.1:{port} (--grpc-port)"), answer.stderr
