@@ -319,7 +319,9 @@ class WorkerMetricsOf:
 
 def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
     scale_model(tmp_path / "models" / "scale")
-    s = start_server(["--model-repository", str(tmp_path / "models"), "--workers", "2"], tmp_path / "server.log")
+    # (the control sockets' directory under tmp_path: the killed supervisor leaves it behind)
+    args = ["--model-repository", str(tmp_path / "models"), "--workers", "2"]
+    s = start_server(args, tmp_path / "server.log", env={"TMPDIR": str(tmp_path)})
     try:
         pid = s.process.pid
         workers = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
