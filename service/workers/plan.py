@@ -1,21 +1,25 @@
 """How many workers (`--workers N|auto`), and the cores each one runs on.
 
-`auto` is one worker per two cores, and no more than the memory allows: the memory available now, divided by
-what one worker is expected to hold (WORKER_BYTES, unless a model repository's size says more). Each worker is
-pinned to its own share of the cores (cores[i::n]), so that what sizes itself by the cores it may use (a
-lone request's intra-op threads, the compute threads' cores, ORCA's core count) takes its share, and N workers'
-intra-op threads together stay within the cores.
+`auto` is one worker per two cores (or CPUs of a cgroup quota), and no more than the memory allows: the memory
+available now, divided by what one worker is expected to hold (WORKER_BYTES plus the repository's model files).
+Each worker is pinned to its own share of the cores (cores[i::n]; not under a CPU quota smaller than the
+cores), so that what sizes itself by the cores it may use (a lone request's intra-op threads, the compute
+threads' cores, ORCA's core count) takes its share, and N workers' intra-op threads together stay within the
+cores.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 from service.errors import ConfigError
+from service.priority import cpu_quota
 
-__all__ = ["WORKER_BYTES", "available_memory", "cores_of", "usable_cores", "worker_count"]
+__all__ = ["WORKER_BYTES", "available_memory", "cores_of", "cpu_budget", "pinned", "usable_cores", "worker_count"]
 
+CGROUP = Path("/sys/fs/cgroup")
 WORKER_BYTES = 512 << 20  # a worker's own memory besides its models' weights: interpreter, gRPC, aiohttp, arenas
 MAX_WORKERS = 256
 
@@ -25,6 +29,20 @@ def usable_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def cpu_budget(cgroup: Path = CGROUP) -> int:
+    """The CPUs this process may use: its cores, or fewer under a cgroup CPU quota (a container limited to 2
+    CPUs on a 64-core node: 2)."""
+    cores, quota = len(usable_cores()), cpu_quota(cgroup)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def pinned(index: int, count: int, cgroup: Path = CGROUP) -> list[int]:
+    """The cores worker `index` is pinned to: its share, or none (the kernel's choice) under a CPU quota
+    smaller than the cores, where every container would pin onto the same first cores."""
+    cores = usable_cores()
+    return cores_of(index, count, cores) if cpu_budget(cgroup) >= len(cores) else []
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -52,7 +70,7 @@ def worker_count(value: str, repository: Path, cores: int | None = None, memory:
     ConfigError naming the flag otherwise."""
     text = value.strip().lower()
     if text == "auto":
-        cores = len(usable_cores()) if cores is None else cores
+        cores = cpu_budget() if cores is None else cores
         by_cores = max(1, cores // 2)
         memory = available_memory() if memory is None else memory
         if memory is None:

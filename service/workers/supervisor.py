@@ -124,7 +124,7 @@ class Supervisor:
             metrics_host="127.0.0.1",  # each worker's own, scraped by the supervisor
             metrics_port=0 if s.metrics_port >= 0 else -1,
         )
-        cores = plan.cores_of(index, self.count, plan.usable_cores())
+        cores = plan.pinned(index, self.count)
         return WorkerSpec(settings, index, self.count, self.directory, tuple(cores), regions, os.getpid())
 
     def _spawn(self, worker: _Worker, models: tuple[str, ...] | None = None, regions: tuple[Any, ...] = ()) -> None:

@@ -29,7 +29,7 @@ from service import protocol
 from service.errors import ConfigError
 from service.workers.identity import HEADER
 from service.workers.metrics_view import combine
-from service.workers.plan import WORKER_BYTES, cores_of, worker_count
+from service.workers.plan import WORKER_BYTES, cores_of, cpu_budget, pinned, usable_cores, worker_count
 from tests.conftest import RunningServer, scale_model, start_server, stop_server
 from tests.service.test_sequence_server import _inputs, sequence_models
 from tests.service.test_shared_memory import SIZE, X0, X1, _simple
@@ -272,6 +272,17 @@ def test_worker_count_auto_is_one_per_two_cores_within_memory(tmp_path: Path) ->
             worker_count(bad, tmp_path)
         assert e.value.key == "--workers"
     assert cores_of(1, 2, [0, 1, 2, 3]) == [1, 3] and cores_of(0, 4, [0, 1]) == [0, 1]
+
+
+def test_under_a_cpu_quota_auto_counts_its_cpus_and_no_worker_is_pinned(tmp_path: Path) -> None:
+    cores = usable_cores()
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # one CPU's worth
+    assert cpu_budget(tmp_path) == 1
+    if len(cores) > 1:  # a quota below the cores: the kernel places the workers
+        assert pinned(0, 2, tmp_path) == [] and pinned(1, 2, tmp_path) == []
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_budget(tmp_path) == len(cores)
+    assert pinned(1, 2, tmp_path) == cores_of(1, 2, cores)
 
 
 def test_serve_refuses_a_worker_count_it_cannot_run(tmp_path: Path) -> None:
