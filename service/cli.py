@@ -44,7 +44,16 @@ def _serve(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="qkv serve", description="Serve the model repository over gRPC.")
     add_arguments(parser)
-    return serve(from_arguments(parser.parse_args(argv)))  # checked by the server (service.config.check)
+    settings = from_arguments(parser.parse_args(argv))  # checked by the server (service.config.check)
+    if settings.workers.strip() != "1":
+        from service.workers import worker_count
+
+        count = worker_count(settings.workers, settings.model_repository)
+        if count > 1:  # a supervisor and its worker processes behind the same ports (service/workers/)
+            from service.workers.supervisor import supervise
+
+            return supervise(settings, count)
+    return serve(settings)
 
 
 def _export_command(name: str, argv: list[str]) -> int:

@@ -71,6 +71,11 @@ class ServerSettings:
         "the server is ready only while every model it loaded or tried to load is (--no-strict-readiness: once "
         "it answers)",
     )
+    workers: str = _setting(
+        "1",
+        "worker processes serving behind the same ports: a number, or auto (one per two cores, within the memory "
+        'available); docs/operations.md, "Worker processes"',
+    )
     grace_period: float = _setting(10.0, "seconds in-flight requests get to finish after SIGTERM")
     max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
     max_message_bytes: int = _setting(

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -74,13 +75,23 @@ class Server:
     """Models + gRPC server + metrics endpoint, started and drained as one.
 
     All of a server's state hangs off this object (its models, metrics, compute threads, regions): several
-    servers run in one process, each on its own ports. `reuse_port`: the gRPC port may be shared with other
-    processes binding it the same way (SO_REUSEPORT: N workers behind one port); otherwise a port already
-    taken fails the start rather than splitting its traffic with whoever holds it.
+    servers run in one process, each on its own ports. `reuse_port`: the gRPC and HTTP ports may be shared with
+    other processes binding them the same way (SO_REUSEPORT: N workers behind one port); otherwise a port already
+    taken fails the start rather than splitting its traffic with whoever holds it. `plane` and `regions`: the
+    classes of the data plane and the shared memory regions, and `interceptors` more gRPC interceptors (a
+    worker's: service/workers/).
     """
 
-    def __init__(self, settings: ServerSettings, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        reuse_port: bool = False,
+        plane: type[DataPlane] = DataPlane,
+        regions: type[shared_memory.SharedMemoryRegistry] = shared_memory.SharedMemoryRegistry,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
         self.settings, self.reuse_port = settings, reuse_port
+        self._interceptors = list(interceptors)
         check(settings)  # every setting, then the TLS files and tokens: a bad one stops the start (ConfigError)
         self._credentials = server_credentials(settings)
         self._tokens = BearerTokens(
@@ -95,7 +106,7 @@ class Server:
         self.cache: ResponseCache[Result] | None = None  # --cache-size 0: none
         if settings.cache_size > 0:
             self.cache = ResponseCache(settings.cache_size, CacheMetrics(self.metrics), settings.cache_across_tokens)
-        self.plane = DataPlane(
+        self.plane = plane(  # a worker's (service/workers/) keeps global state global across workers
             settings,
             self.metrics,
             self.tracing,
@@ -105,7 +116,7 @@ class Server:
             self.compute,
         )
         self.registry = self.plane.registry
-        self.shared_memory = shared_memory.SharedMemoryRegistry(
+        self.shared_memory = regions(
             settings.shared_memory_max_regions,
             settings.shared_memory_max_bytes,
             settings.max_message_bytes,
@@ -157,6 +168,7 @@ class Server:
         s = self.settings
         credentials = self._credentials
         interceptors = [TokenAuth(self._tokens)] if self._tokens else []
+        interceptors += self._interceptors
         server = self._grpc = grpc.aio.server(options=self._options(), interceptors=interceptors)
 
         def bound() -> tuple[str, int]:  # the server's end of a connection: a peer's user is found by it
@@ -200,7 +212,7 @@ class Server:
             from service.frontends.rest_api import RestServer  # aiohttp, only when HTTP is on
 
             self._http = RestServer(self.plane, self.metrics, s, self._tokens, ssl_context(s), self.shared_memory)
-            self.http_port = self._http.bind(s.host, s.http_port)
+            self.http_port = self._http.bind(s.host, s.http_port, self.reuse_port)
         await self.registry.start()  # the ports are bound (one in use stops the start), not yet serving
         await server.start()
         if self._http is not None:

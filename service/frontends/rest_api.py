@@ -208,11 +208,12 @@ class RestServer:
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
-    def bind(self, host: str, port: int) -> int:
-        """Bind the port now, so that a port in use stops the start before the models warm up."""
+    def bind(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Bind the port now, so that a port in use stops the start before the models warm up; `reuse_port`:
+        shared with the other processes that bind it so (SO_REUSEPORT: workers behind one port)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._socket = socket.create_server((host, port), family=family, backlog=1024)
+            self._socket = socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
         except OSError as e:
             raise ConfigError("--http-port", f"cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
         return int(self._socket.getsockname()[1])
@@ -466,13 +467,13 @@ class RestServer:
             sizes.append(value)
         offset, byte_size = sizes
         uid = await asyncio.to_thread(self._uid, request)  # a thread: without sock_diag, /proc/net/tcp (10-20 ms)
-        self.regions.register(name, key, offset, byte_size, uid, self._caller(request))
+        await self.regions.change("register", name, key, offset, byte_size, uid, self._caller(request))
         return web.Response(status=200)
 
     async def _shm_unregister(self, name: str, request: web.BaseRequest, model: str, version: str) -> web.Response:
         self._may_change_shm(request, "unregistering shared memory")
         await self._body(request)  # empty, as Triton's
-        self.regions.unregister(name, self._caller(request))
+        await self.regions.change("unregister", name, self._caller(request))
         return web.Response(status=200)
 
     # --- inference ------------------------------------------------------------------------------------

@@ -370,6 +370,13 @@ class SharedMemoryRegistry:
         self._regions[owner, name] = region
         self._open.add(region)
 
+    async def change(self, operation: str, *args: Any) -> None:
+        """`register` or `unregister` with `args`, as the front ends call them: a worker's registry
+        (service/workers/) applies the change on every worker before it returns."""
+        if operation not in ("register", "unregister"):
+            raise ValueError(operation)
+        getattr(self, operation)(*args)
+
     def _check_room(self, name: str, byte_size: int, caller: Caller | None) -> None:
         """RESOURCE_EXHAUSTED when one more region, of `byte_size` bytes, passes a limit or the caller's share."""
         owner = _owner(caller)

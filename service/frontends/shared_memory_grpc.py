@@ -4,6 +4,7 @@ shared_memory.py), and CUDA shared memory answered UNIMPLEMENTED (qkv has no GPU
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -39,7 +40,8 @@ class SharedMemoryService:
 
     async def _call(self, context: Context, fn: Callable[..., T], *args: Any) -> T:
         try:
-            return fn(*args)
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
         except ServingError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
             raise AssertionError("abort raises") from e  # grpc's abort raises, untyped
@@ -64,7 +66,7 @@ class SharedMemoryService:
         await self._call(context, self._may_change, context, "registering shared memory")
         where = (request.name, request.key, request.offset, request.byte_size)
         uid, caller = await self._uid(context), self.tokens.caller_of(context.invocation_metadata())
-        await self._call(context, self.regions.register, *where, uid, caller)
+        await self._call(context, self.regions.change, "register", *where, uid, caller)
         return protocol.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(
@@ -72,7 +74,7 @@ class SharedMemoryService:
     ) -> protocol.SystemSharedMemoryUnregisterResponse:
         await self._call(context, self._may_change, context, "unregistering shared memory")
         caller = self.tokens.caller_of(context.invocation_metadata())
-        await self._call(context, self.regions.unregister, request.name, caller)
+        await self._call(context, self.regions.change, "unregister", request.name, caller)
         return protocol.SystemSharedMemoryUnregisterResponse()
 
     async def _no_cuda(self, request: protocol.Message, context: Context) -> NoReturn:

@@ -104,14 +104,25 @@ def status_of(call: Callable[[], object]) -> tuple[str, str]:
     return str(e.value.status()), e.value.message()
 
 
-@pytest.fixture
-def explicit(tmp_path: Path) -> Iterator[Explicit]:
-    """An explicit-mode server on a repository of its own, no model loaded."""
+def _explicit(tmp_path: Path, workers: str) -> Iterator[Explicit]:
     repo = tmp_path / "repo"
     scale_version(repo / "scale", 1, 1.0)
-    args = ["--model-repository", str(repo), "--model-control-mode", "explicit"]
+    args = ["--model-repository", str(repo), "--model-control-mode", "explicit", "--workers", workers]
     with start_server(args, tmp_path / "log") as server, g.InferenceServerClient(server.url) as client:
         yield server, client, repo
+
+
+@pytest.fixture(params=["1", "2"], ids=["one-process", "workers-2"])
+def explicit(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Explicit]:
+    """An explicit-mode server on a repository of its own, no model loaded; one process, or two workers (a load
+    or unload on one applies on both before it is answered)."""
+    yield from _explicit(tmp_path, request.param)
+
+
+@pytest.fixture
+def explicit_one(tmp_path: Path) -> Iterator[Explicit]:
+    """The same, one process (whose memory a test reads)."""
+    yield from _explicit(tmp_path, "1")
 
 
 def test_version_policy_chooses_versions() -> None:
@@ -370,8 +381,8 @@ def test_reload_under_load_loses_no_request(tmp_path: Path) -> None:
         }
 
 
-def test_memory_returns_after_unload(explicit: Explicit) -> None:
-    server, client, repo = explicit
+def test_memory_returns_after_unload(explicit_one: Explicit) -> None:
+    server, client, repo = explicit_one
     wide_version(repo / "wide", 1)
     client.load_model("scale")
     time.sleep(0.5)

@@ -105,11 +105,12 @@ def sequence_models(root: Path) -> None:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "workers-2"])
+def served(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """One server, and one of two worker processes (a sequence's requests reach the worker holding it)."""
     root = tmp_path_factory.mktemp("sequences") / "models"
     sequence_models(root)
-    s = start_server(["--model-repository", str(root)], root.parent / "server.log")
+    s = start_server(["--model-repository", str(root), "--workers", request.param], root.parent / "server.log")
     yield s
     stop_server(s)
     assert "Traceback" not in s.output()

@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--perf-analyzer", type=Path, metavar="BIN", help="cross-check with Triton's perf_analyzer")
     parser.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed requests: memory and fd growth")
     parser.add_argument("--zoo", action="store_true", help="models qkv did not train: tuned vs fixed batching")
+    parser.add_argument("--workers", action="store_true", help="1, 2 and auto worker processes: zoo encoders, g2p")
     parser.add_argument("--protocols", action="store_true", help="HTTP/REST against gRPC: c1 latency, throughput")
     parser.add_argument("--versions", action="store_true", help="g2p's versions side by side: words/s, p50/p99")
     parser.add_argument("--peers", action="store_true", help="zoo_medium on qkv, Triton, MLServer, plain grpc.aio")
@@ -121,6 +122,12 @@ def main(argv: list[str]) -> int:
 
         print(zoo_table(zoo_benchmark(args.out, args.seconds)))
         print(f"wrote {args.out / 'zoo.json'}, {args.out / 'zoo.md'}")
+        return 0
+    if args.workers:
+        from service.tools.bench.workers_bench import workers_benchmark, workers_table
+
+        print(workers_table(workers_benchmark(args.model_repository, args.out, args.seconds)))
+        print(f"wrote {args.out / 'workers.json'}, {args.out / 'workers.md'}")
         return 0
     if args.peers:
         from service.tools.bench.peers import peers_benchmark, peers_table
@@ -246,7 +253,9 @@ def _check(args: argparse.Namespace) -> None:
 
         corpus_files(args.text_file)  # the corpus there, or how to get it
     given, args.model_repository = args.model_repository is not None, args.model_repository or Path("models")
-    local = args.suite or args.soak or args.perf_analyzer or args.protocols or args.versions or args.text
+    local = (
+        args.suite or args.soak or args.perf_analyzer or args.protocols or args.versions or args.text or args.workers
+    )
     if (local or args.text_file or given) and not args.model_repository.is_dir():  # others: their own, or --url
         raise UsageError(f"model repository not found: {args.model_repository}")
 
