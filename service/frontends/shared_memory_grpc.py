@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar, overload
 
 import grpc
 from grpc.aio import ServicerContext as Context
@@ -38,7 +38,11 @@ class SharedMemoryService:
             host, authorization if isinstance(authorization, str) else None, self.tokens, what
         )
 
-    async def _call(self, context: Context, fn: Callable[..., T], *args: Any) -> T:
+    @overload
+    async def _call(self, context: Context, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+    @overload
+    async def _call(self, context: Context, fn: Callable[..., T], *args: Any) -> T: ...
+    async def _call(self, context: Context, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             result = fn(*args)
             return await result if inspect.isawaitable(result) else result

@@ -1,3 +1,5 @@
+# Over 500 lines: the decoding thread whole: one running batch that admission, each step's plan, both
+# architectures' steps and the beams' rows all change.
 """The decoding engine: continuous batching of generation at the step level, one decoding thread.
 
 Sequences join the running batch at any step and leave it as soon as they end; each keeps its own key/value
