@@ -102,9 +102,7 @@ KIND_NAMES = {"tensor", "g2p", "ensemble", "text", "generation"}
 KIND_TENSORS = {"TEXT", "PHONEMES", "WORDS", "REASONS", "SOURCES", "VARIANTS", "ATTENTION", "EMBEDDING", "SCORES",
                 "QUERY", "INPUT_IDS"}  # fmt: skip
 KIND_FREE = ("frontends", "serving", "scheduling", "repository", "observability", "server.py")
-NAMING_KINDS = {
-    "service/frontends/text_api.py": "the text kind's TEI and OpenAI endpoints: TEXT in, EMBEDDING or SCORES out",
-}
+NAMING_KINDS: dict[str, str] = {}
 
 
 def _is_kind(node: ast.AST) -> bool:

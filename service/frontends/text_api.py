@@ -7,10 +7,10 @@
     POST /predict         TEI: {"inputs", "top_k"} -> [{"label", "score"}], sorted
     POST /tokenize        TEI: {"inputs", "add_special_tokens"} -> each text's tokens
 
-Each is a request to a text model through the same data plane as v2 (TEXT in; EMBEDDING or SCORES,
-TOKENS and TRUNCATED out): these requests batch with v2's and share admission, limits, metrics and
-statistics. A body names its model ("model"); TEI's, which have no such field, may leave it out when the
-server serves one model of the task. Bad input is a 400 naming the field.
+Each is a request to a text model through the same data plane as v2, in the model's own tensors (its kind's
+`Tokenizes`: `task_io` the request, `task_answer` what it says): these requests batch with v2's and share
+admission, limits, metrics and statistics. A body names its model ("model"); TEI's, which have no such
+field, may leave it out when the server serves one model of the task. Bad input is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.frontends.generation import generating_models
 from service.frontends.rest_codec import parse_json
 from service.frontends.statuses import http_status
-from service.models.catalog import Tokenizes, capability, input_limits
+from service.models.catalog import TextAnswer, TextAsk, Tokenizes, capability
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, Parameter, RequestedOutput
 
@@ -112,21 +112,17 @@ def _texts(value: Any, name: str) -> list[str]:
     raise InvalidArgument(f"field '{name}' must be a string or a non-empty list of strings")
 
 
-def _token_lists(value: Any) -> np.ndarray | None:
-    """OpenAI's token input (a list of ids, or a list of such lists) as INPUT_IDS [N, L], -1 padding; None
-    for text."""
+def _token_lists(value: Any) -> tuple[tuple[int, ...], ...]:
+    """OpenAI's token input (a list of ids, or a list of such lists), one tuple a text; () for text."""
     if not isinstance(value, list) or not value or isinstance(value[0], str):
-        return None
+        return ()
     rows = value if isinstance(value[0], list) else [value]
     for i, row in enumerate(rows):
         if not isinstance(row, list) or not row or not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
             raise InvalidArgument(f"field 'input': element {i} must be a non-empty list of token ids (integers)")
         if min(row) < 0 or max(row) >= 1 << 31:
             raise InvalidArgument(f"field 'input': element {i} holds a token id outside [0, 2^31)")
-    ids = np.full((len(rows), max(map(len, rows))), -1, dtype=np.int64)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-    return ids
+    return tuple(map(tuple, rows))
 
 
 class TextApi:
@@ -161,7 +157,8 @@ class TextApi:
                 names.append(m.name)
         return names
 
-    def _model(self, doc: dict[str, Any], task: str) -> str:
+    def _model(self, doc: dict[str, Any], task: str) -> tuple[str, Tokenizes]:
+        """The model of `task` a body names (or the one the server serves), and its text endpoints."""
         name = _field(doc, "model", str)
         if name is None:
             served = self._text_models(task)
@@ -169,19 +166,22 @@ class TextApi:
                 raise InvalidArgument(
                     f"field 'model' is required: the server serves {len(served)} {task} models ({', '.join(served)})"
                 )
-            return str(served[0])
+            name = served[0]
         model = self.plane.model(name)  # NotFound when it serves none of that name
         text = capability(model, Tokenizes)
         if text is None or text.text_task() != task:
             raise InvalidArgument(
                 f"field 'model': {quote(name)} is not a {task} model (its kind: {model.metadata.kind})"
             )
-        return str(name)
+        return str(name), text
 
-    async def _infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
-                     params: dict[str, Parameter], method: str) -> dict[str, np.ndarray]:  # fmt: skip
+    async def _infer(self, target: tuple[str, Tokenizes], ask: TextAsk, params: dict[str, Parameter],
+                     method: str) -> TextAnswer:  # fmt: skip
+        """`ask` of the model `_model` found, one request through the data plane."""
+        name, text = target
+        inputs, outputs = text.task_io(ask)
         request = InferRequest(
-            model_name=model,
+            model_name=name,
             inputs=[InferInput.of(k, v) for k, v in inputs.items()],
             outputs=[RequestedOutput(o) for o in outputs],
             parameters=params,
@@ -190,7 +190,7 @@ class TextApi:
         outcome = await self.plane.infer(request)
         if isinstance(outcome, ServingError):
             raise outcome
-        return outcome.outputs
+        return text.task_answer(outcome.outputs)
 
     # --- OpenAI -----------------------------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ class TextApi:
         doc = parse_json(await self.body(request))
         if "model" not in doc:
             raise InvalidArgument("field 'model' is required")
-        name = self._model(doc, "embed")
+        target = self._model(doc, "embed")
         if "input" not in doc:
             raise InvalidArgument("field 'input' is required")
         encoding = _field(doc, "encoding_format", str, "float")
@@ -212,20 +212,20 @@ class TextApi:
             raise InvalidArgument(f"field 'encoding_format' must be float or base64, got {quote(encoding)}")
         params = self._params(doc)
         ids = _token_lists(doc["input"])
-        inputs = {"INPUT_IDS": ids} if ids is not None else {"TEXT": _encoded(_texts(doc["input"], "input"))}
-        out = await self._infer(name, inputs, ["EMBEDDING", "TOKENS", "TRUNCATED"], params, "POST /v1/embeddings")
+        ask = TextAsk(token_ids=ids, counts=True) if ids else TextAsk(tuple(_texts(doc["input"], "input")), counts=True)
+        out = await self._infer(target, ask, params, "POST /v1/embeddings")
         data = []  # each item's JSON, written here: the embeddings are most of the body
-        for i, (vector, cut) in enumerate(zip(out["EMBEDDING"], out["TRUNCATED"], strict=True)):
+        for i, (vector, cut) in enumerate(zip(out.values, out.truncated, strict=True)):
             if encoding == "base64":  # the little-endian float32 bytes, as OpenAI's clients decode them
                 value = '"' + base64.b64encode(vector.astype("<f4").tobytes()).decode() + '"'
             else:
                 value = _floats(vector)
             more = f',"truncated_tokens":{int(cut)}' if cut else ""
             data.append(f'{{"object":"embedding","index":{i},"embedding":{value}{more}}}')
-        tokens = int(out["TOKENS"].sum())
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "truncated_tokens": int(out["TRUNCATED"].sum())}
+        tokens = int(out.tokens.sum())
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "truncated_tokens": int(out.truncated.sum())}
         return _json_text(
-            f'{{"object":"list","data":[{",".join(data)}],"model":{json.dumps(name)},"usage":{json.dumps(usage)}}}'
+            f'{{"object":"list","data":[{",".join(data)}],"model":{json.dumps(target[0])},"usage":{json.dumps(usage)}}}'
         )
 
     def _params(self, doc: dict[str, Any]) -> dict[str, Parameter]:
@@ -262,22 +262,21 @@ class TextApi:
 
     async def _embed(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         doc = parse_json(await self.body(request))
-        name = self._model(doc, "embed")
+        target = self._model(doc, "embed")
         texts = _texts(doc.get("inputs"), "inputs")
-        out = await self._infer(name, {"TEXT": _encoded(texts)}, ["EMBEDDING"], self._tei_params(doc), "POST /embed")
-        return _json_text(_float_rows(out["EMBEDDING"]))
+        out = await self._infer(target, TextAsk(tuple(texts)), self._tei_params(doc), "POST /embed")
+        return _json_text(_float_rows(out.values))
 
     async def _rerank(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         doc = parse_json(await self.body(request))
-        name = self._model(doc, "rerank")
+        target = self._model(doc, "rerank")
         query = _field(doc, "query", str)
         if query is None:
             raise InvalidArgument("field 'query' is required")
         texts = _texts(doc.get("texts", doc.get("documents")), "texts")
         with_text = bool(_field(doc, "return_text", bool, False) or _field(doc, "return_documents", bool, False))
-        inputs = {"QUERY": _encoded([query]), "TEXT": _encoded(texts)}
-        out = await self._infer(name, inputs, ["SCORES"], self._tei_params(doc), "POST /rerank")
-        scores = out["SCORES"]
+        out = await self._infer(target, TextAsk(tuple(texts), query=query), self._tei_params(doc), "POST /rerank")
+        scores = out.values
         ranked = []
         for i in sorted(range(len(texts)), key=lambda i: (-float(scores[i]), i)):
             item: dict[str, Any] = {"index": i, "score": float(scores[i])}
@@ -289,17 +288,16 @@ class TextApi:
 
     async def _predict(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         doc = parse_json(await self.body(request))
-        name = self._model(doc, "classify")
+        target = self._model(doc, "classify")
         raw = doc.get("inputs")
         texts = _texts(raw, "inputs")
         top = _field(doc, "top_k", int)
         if top is not None and top < 1:
             raise InvalidArgument(f"field 'top_k' must be >= 1, got {top}")
-        out = await self._infer(name, {"TEXT": _encoded(texts)}, ["SCORES"], self._tei_params(doc), "POST /predict")
-        declared = self.plane.model(name).config.outputs
-        labels = declared[0].get("labels", ()) if declared else ()
+        out = await self._infer(target, TextAsk(tuple(texts)), self._tei_params(doc), "POST /predict")
+        labels = out.labels
         answers = []
-        for row in out["SCORES"]:
+        for row in out.values:
             order = np.argsort(-row, kind="stable")[:top]
             answers.append(
                 [{"label": labels[k] if k < len(labels) else f"LABEL_{k}", "score": float(row[k])} for k in order]
@@ -318,16 +316,5 @@ class TextApi:
             raise InvalidArgument(f"field 'model': {quote(m.name)} is not a text model")
         texts = _texts(doc.get("inputs"), "inputs")
         special = _field(doc, "add_special_tokens", bool, True)
-        limit = input_limits(m, "TEXT")
-        if len(texts) > limit.elements or any(len(t.encode()) > (limit.element_bytes or 1 << 30) for t in texts):
-            raise InvalidArgument(f"field 'inputs': over the model's limits ({limit.why})")
         tokens = await asyncio.to_thread(text.tokenize, texts, special)
         return _json(tokens)
-
-
-def _encoded(texts: list[str]) -> np.ndarray:
-    """Texts as a BYTES tensor's elements."""
-    try:
-        return np.array([t.encode() for t in texts], dtype=np.object_)
-    except UnicodeEncodeError:
-        raise InvalidArgument("a text holds a lone surrogate: not UTF-8") from None

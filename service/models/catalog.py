@@ -54,6 +54,8 @@ __all__ = [
     "StepModel",
     "Steps",
     "TakesText",
+    "TextAnswer",
+    "TextAsk",
     "Tokenizes",
     "TunesBatching",
     "build",
@@ -255,14 +257,47 @@ class TakesText(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TextAsk:
+    """What a text endpoint asks a model of a task: texts (or token ids, one list a text), the query a reranker
+    scores them against, and whether the answer counts each text's tokens."""
+
+    texts: tuple[str, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()  # instead of texts: each text's token ids, checked by the model
+    query: str | None = None
+    counts: bool = False
+
+
+@dataclass(frozen=True)
+class TextAnswer:
+    """A text model's answer to a `TextAsk`, one row a text."""
+
+    values: np.ndarray  # embed: FP32 [N, D] embeddings; classify: [N, C] scores; rerank: [N] scores
+    tokens: np.ndarray  # INT64 [N]: the tokens each text ran as (empty unless the ask counts them)
+    truncated: np.ndarray  # INT64 [N]: the tokens cut from each text (empty unless the ask counts them)
+    labels: tuple[str, ...] = ()  # classify: each class's label
+
+
 @runtime_checkable
 class Tokenizes(Protocol):
-    """A kind that reads texts with a tokenizer for a task (embed, classify, rerank): the text endpoints'."""
+    """A kind that reads texts with a tokenizer for a task (embed, classify, rerank): the text endpoints'. A
+    task is one request through the data plane: `task_io` gives its inputs and the outputs it asks for,
+    `task_answer` reads them."""
 
     def text_task(self) -> str: ...
 
     def tokenize(self, texts: list[str], special: bool = True) -> list[list[dict[str, Any]]]:
-        """Each text's tokens: id, text, whether special, character span."""
+        """Each text's tokens: id, text, whether special, character span; an InvalidArgument naming `inputs`
+        when there are more texts, or longer ones, than a request may hold."""
+        ...
+
+    def task_io(self, ask: TextAsk) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The inputs of a request that asks `ask`, and the outputs it asks for (an InvalidArgument when a
+        text cannot be one)."""
+        ...
+
+    def task_answer(self, outputs: Mapping[str, np.ndarray]) -> TextAnswer:
+        """The answer a request of `task_io` got."""
         ...
 
 

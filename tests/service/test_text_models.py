@@ -224,6 +224,7 @@ def test_long_inputs_truncate_refuse_or_chunk(server: RunningServer, folder: Pat
         ("/rerank", {"query": "q", "texts": ["a"]}, "model"),
         ("/predict", {"inputs": "x"}, "model"),
         ("/tokenize", {"inputs": []}, "inputs"),
+        ("/tokenize", {"inputs": ["x"] * 257}, "max_texts"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server: RunningServer, path: str, body: Any, field: str) -> None:

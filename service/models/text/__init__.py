@@ -4,6 +4,7 @@
   `text` section over it;
 - `tokens.py`: the tokenizer, and the long-input policy (truncate, refuse, chunk);
 - `pooling.py`: pooling, normalization, Matryoshka dimensions, windows pooled back, classifier scores;
+- `tasks.py`: the text endpoints' asks as this kind's tensors, and its answers read back (`Tokenizes`);
 - `model.py`: `TextModel`, the served version: texts to token rows, batched by length on the graph.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any
@@ -28,12 +28,14 @@ from tokenizers import Encoding
 
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument, ServingError, quote
+from service.models.catalog import TextAnswer, TextAsk
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
 from service.models.tensor.model import TensorModel
 from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
+from service.models.text.tasks import task_answer, task_io
 from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_encoding
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
@@ -207,7 +209,11 @@ class TextModel:
         return self.settings.task
 
     def tokenize(self, texts: list[str], special: bool = True) -> list[list[dict[str, Any]]]:
-        """Each text's tokens as TEI's /tokenize shows them: id, text, whether special, character span."""
+        """Each text's tokens as TEI's /tokenize shows them: id, text, whether special, character span; no
+        more texts, nor longer ones, than a request's TEXT may hold."""
+        limit = self.input_limits("TEXT")
+        if len(texts) > limit.elements or any(len(t.encode()) > (limit.element_bytes or 1 << 30) for t in texts):
+            raise InvalidArgument(f"field 'inputs': over the model's limits ({limit.why})")
         encodings = self.tokenizer.tokenizer.encode_batch(texts, add_special_tokens=special)
         return [
             [
@@ -216,6 +222,12 @@ class TextModel:
             ]
             for e in encodings
         ]
+
+    def task_io(self, ask: TextAsk) -> tuple[dict[str, np.ndarray], list[str]]:
+        return task_io(ask, self.settings.task)
+
+    def task_answer(self, outputs: Mapping[str, np.ndarray]) -> TextAnswer:
+        return task_answer(outputs, self.settings.task, self.settings.labels)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
