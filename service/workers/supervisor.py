@@ -85,10 +85,24 @@ class _Worker:
     ready: bool = False
 
 
+MAX_UNIX_PATH = 107  # AF_UNIX's sun_path: 108 bytes, the terminating NUL aside
+SOCKET_NAME_ROOM = 24  # the longest control socket's name under the directory ("statistics-255.sock") and a slash
+
+
+def control_directory() -> Path:
+    """The control sockets' directory, of mode 0700 (the server's user only): under TMPDIR, or under /tmp
+    where TMPDIR is too deep for a socket's path."""
+    directory = Path(tempfile.mkdtemp(prefix="qkv-workers-"))
+    if len(os.fsencode(directory)) + SOCKET_NAME_ROOM > MAX_UNIX_PATH:
+        directory.rmdir()
+        directory = Path(tempfile.mkdtemp(prefix="qkv-workers-", dir="/tmp"))
+    return directory
+
+
 class Supervisor:
     def __init__(self, settings: ServerSettings, count: int) -> None:
         self.settings, self.count = settings, count
-        self.directory = Path(tempfile.mkdtemp(prefix="qkv-workers-"))  # mode 0700: the server's user only
+        self.directory = control_directory()
         self.workers = [_Worker(i) for i in range(count)]
         # What was changed since the start, numbered: each model's last change (name -> (number, "load",
         # parameters) or (number, "unload")), every region change, and the registrations still in force.

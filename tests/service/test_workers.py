@@ -5,9 +5,11 @@ of its own reaches one worker, so the tests open connections until both have ans
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -30,6 +32,7 @@ from service.errors import ConfigError
 from service.workers.identity import HEADER
 from service.workers.metrics_view import combine
 from service.workers.plan import WORKER_BYTES, cores_of, cpu_budget, pinned, usable_cores, worker_count
+from service.workers.supervisor import MAX_UNIX_PATH, control_directory
 from tests.conftest import RunningServer, scale_model, start_server, stop_server
 from tests.service.test_sequence_server import _inputs, sequence_models
 from tests.service.test_shared_memory import SIZE, X0, X1, _simple
@@ -330,9 +333,11 @@ class WorkerMetricsOf:
 
 def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
     scale_model(tmp_path / "models" / "scale")
-    # (the control sockets' directory under tmp_path: the killed supervisor leaves it behind)
+    # (the control sockets' directory under a TMPDIR of the test's: the killed supervisor leaves it behind; a
+    # short one, as pytest's tmp_path may be too deep for a socket's path)
+    tmp = Path(tempfile.mkdtemp(prefix="qkv-test-", dir="/tmp"))
     args = ["--model-repository", str(tmp_path / "models"), "--workers", "2"]
-    s = start_server(args, tmp_path / "server.log", env={"TMPDIR": str(tmp_path)})
+    s = start_server(args, tmp_path / "server.log", env={"TMPDIR": str(tmp)})
     try:
         pid = s.process.pid
         workers = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -345,6 +350,25 @@ def test_workers_do_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
         assert not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived its supervisor"
     finally:
         stop_server(s)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_control_sockets_go_under_tmp_where_tmpdir_is_too_deep_for_a_socket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    directory = control_directory()
+    try:
+        assert directory.parent == Path("/tmp") and len(str(directory / "statistics-255.sock")) <= MAX_UNIX_PATH
+        assert directory.stat().st_mode & 0o777 == 0o700 and not list(deep.iterdir())
+    finally:
+        directory.rmdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shallow = control_directory()
+    assert shallow.parent == tmp_path
+    shallow.rmdir()
 
 
 def test_a_worker_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
