@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from service.errors import InvalidArgument, ServingError, quote
 from service.frontends.generation import generating_models
+from service.frontends.json_numbers import float_rows, floats
 from service.frontends.rest_codec import parse_json
 from service.frontends.statuses import http_status
 from service.models.catalog import TextAnswer, TextAsk, Tokenizes, capability
@@ -51,27 +51,6 @@ TASK_OF = {"openai_embeddings": "embed", "tei_embed": "embed", "tei_rerank": "re
 
 def _json(doc: Any, status: int = 200) -> web.Response:
     return web.json_response(doc, status=status)
-
-
-@functools.cache
-def _float_format(n: int) -> str:
-    return "[" + ",".join(["%.9g"] * n) + "]"
-
-
-def _floats(vector: np.ndarray) -> str:
-    """A float32 vector as a JSON array, each value to 9 significant digits: as many as give every float32 back
-    exactly, where json.dumps of its float64 widening writes up to 17 (a 384-float embedding: 5 kB, not 8, in
-    a third of the time). A value JSON has no number for (nan, inf) is written as json.dumps writes it."""
-    values = vector.tolist()
-    if not np.isfinite(vector).all():
-        return json.dumps(values)
-    # -0.0 as "-0.0": "-0" reads back as the integer 0 (an exponent has two digits: no other "-0," or "-0]")
-    return (_float_format(len(values)) % tuple(values)).replace("-0,", "-0.0,").replace("-0]", "-0.0]")
-
-
-def _float_rows(matrix: np.ndarray) -> str:
-    """A float32 [N, D] as a JSON array of arrays (`_floats` each)."""
-    return "[" + ",".join(map(_floats, matrix)) + "]"
 
 
 def _json_text(body: str) -> web.Response:
@@ -219,7 +198,7 @@ class TextApi:
             if encoding == "base64":  # the little-endian float32 bytes, as OpenAI's clients decode them
                 value = '"' + base64.b64encode(vector.astype("<f4").tobytes()).decode() + '"'
             else:
-                value = _floats(vector)
+                value = floats(vector)
             more = f',"truncated_tokens":{int(cut)}' if cut else ""
             data.append(f'{{"object":"embedding","index":{i},"embedding":{value}{more}}}')
         tokens = int(out.tokens.sum())
@@ -265,7 +244,7 @@ class TextApi:
         target = self._model(doc, "embed")
         texts = _texts(doc.get("inputs"), "inputs")
         out = await self._infer(target, TextAsk(tuple(texts)), self._tei_params(doc), "POST /embed")
-        return _json_text(_float_rows(out.values))
+        return _json_text(float_rows(out.values))
 
     async def _rerank(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
         doc = parse_json(await self.body(request))

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from service.frontends.text_api import _float_rows, _floats
+from service.frontends.json_numbers import float_rows, floats
 
 
 def test_nine_digits_give_every_float32_back_exactly() -> None:
@@ -16,7 +16,7 @@ def test_nine_digits_give_every_float32_back_exactly() -> None:
                      dtype=np.float32)  # fmt: skip
     vectors = np.concatenate([edges, rng.standard_normal(20_000).astype(np.float32) / 20,
                               rng.uniform(-1e30, 1e30, 2_000).astype(np.float32)])  # fmt: skip
-    written = _floats(vectors)
+    written = floats(vectors)
     back = np.array(json.loads(written), dtype=np.float32)
     assert np.array_equal(back.view(np.uint32), vectors.view(np.uint32)), "bit for bit, -0.0 and subnormals too"
     assert len(written) < 0.7 * len(json.dumps(vectors.tolist())), "shorter than float64's shortest repr"
@@ -24,6 +24,6 @@ def test_nine_digits_give_every_float32_back_exactly() -> None:
 
 def test_rows_are_arrays_and_values_json_has_no_number_for_are_written_as_json_dumps_writes_them() -> None:
     matrix = np.array([[0.5, -0.25], [1.5, 2.0]], dtype=np.float32)
-    assert json.loads(_float_rows(matrix)) == [[0.5, -0.25], [1.5, 2.0]]
+    assert json.loads(float_rows(matrix)) == [[0.5, -0.25], [1.5, 2.0]]
     odd = np.array([np.nan, np.inf, 1.0], dtype=np.float32)
-    assert _floats(odd) == json.dumps([float("nan"), float("inf"), 1.0])
+    assert floats(odd) == json.dumps([float("nan"), float("inf"), 1.0])
