@@ -10,7 +10,10 @@ import numpy as np
 __all__ = ["float_rows", "floats"]
 
 
-@functools.cache
+CACHED_FORMATS = 32  # the formats of the lengths seen last (an embedding's width, a model's output size)
+
+
+@functools.lru_cache(maxsize=CACHED_FORMATS)
 def _float_format(n: int) -> str:
     return "[" + ",".join(["%.9g"] * n) + "]"
 

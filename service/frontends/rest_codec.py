@@ -37,6 +37,7 @@ from service.datatypes import (
 from service.errors import InvalidArgument, quote
 from service.frontends import shared_memory
 from service.frontends.codec import FlatSource, RawSource, output_bytes
+from service.frontends.json_numbers import floats
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 
 __all__ = [
@@ -372,11 +373,16 @@ def encode_infer(
         elif parsed.binary(name):
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
+        elif datatype == "FP32":  # written as text here: 9 digits a value, not the 17 of its float64 widening
+            text = json.dumps(out, separators=(",", ":"))
+            outputs.append(f'{text[:-1]},"data":{floats(np.asarray(array, dtype=np.float32).reshape(-1))}}}')
+            continue
         else:
             out["data"] = _json_data(datatype, shape, raw)
-        outputs.append(out)
-    doc["outputs"] = outputs
-    header = json.dumps(doc, separators=(",", ":")).encode()
+        outputs.append(json.dumps(out, separators=(",", ":")))
+    doc["outputs"] = []
+    head = json.dumps(doc, separators=(",", ":"))
+    header = f"{head[:-2]}{','.join(outputs)}]}}".encode()
     if not binary:
         return header, None
     return b"".join([header, *binary]), len(header)

@@ -11,7 +11,8 @@ import pytest
 from service.datatypes import InputLimits
 from service.errors import InvalidArgument
 from service.frontends.codec import FlatSource, RawSource
-from service.frontends.rest_codec import parse_infer
+from service.frontends.rest_codec import encode_infer, parse_infer
+from service.serving.dataplane_types import InferResponse
 
 LIMITS = InputLimits()
 
@@ -99,3 +100,21 @@ def test_a_tensor_in_shared_memory_is_described_by_plain_values() -> None:
     assert (out.name, dict(out.parameters)) == ("y", {"shared_memory_region": "r", "shared_memory_byte_size": 4})
     with pytest.raises(InvalidArgument, match="its shared memory region was not attached"):
         parsed.request.inputs[0].read(LIMITS)  # until the front end leases the region
+
+
+def test_fp32_json_answers_give_back_every_float32_exactly_and_others_as_before() -> None:
+    values = np.array([[0.1, -0.0, 1e-45, 3.4028235e38], [1 / 3, -2.5, 7e-39, 123456.79]], dtype=np.float32)
+    ints = np.array([[1, -2]], dtype=np.int64)
+    answer = InferResponse("m", "1", "r", {"OUT": values, "IDS": ints})
+    body = parse_infer(b'{"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1]}]}', None, "m", "")
+    text, binary_length = encode_infer(answer, body)
+    doc = json.loads(text)
+    assert binary_length is None and [o["name"] for o in doc["outputs"]] == ["OUT", "IDS"] and doc["id"] == "r"
+    out, ids = doc["outputs"]
+    got = np.array(out["data"], dtype=np.float32)
+    assert out["shape"] == [2, 4] and out["datatype"] == "FP32" and got.tobytes() == values.reshape(-1).tobytes()
+    assert b"0.100000001" in text and b"0.10000000149" not in text  # 9 digits, not the float64 widening's 17
+    assert ids == {"name": "IDS", "datatype": "INT64", "shape": [1, 2], "data": [1, -2]}
+    odd = InferResponse("m", "1", "", {"OUT": np.array([np.nan, np.inf], dtype=np.float32)})
+    nan, inf = json.loads(encode_infer(odd, body)[0])["outputs"][0]["data"]  # as json.dumps writes them
+    assert np.isnan(nan) and inf == float("inf")
