@@ -120,7 +120,8 @@ def test_a_load_and_an_unload_on_one_worker_apply_on_both(served: RunningServer)
         assert not c.client.is_model_ready("scale_later") and _index(c.client, "scale_later") == "UNAVAILABLE"
     with pytest.raises(InferenceServerException, match=r"must be a JSON object, got list$"):  # as one server says
         first.client.load_model("scale_later", config='["not an object"]')
-    first.client.load_model("scale_later")  # loaded again: the kill test checks a restarted worker has it
+    first.client.load_model("scale_later")  # a good load after the refused one
+    first.client.unload_model("scale_later")
     for c in (first, second):
         c.close()
 
@@ -198,6 +199,9 @@ def test_metrics_and_statistics_sum_over_the_workers(served: RunningServer) -> N
 
 
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
+    loader = Connection(served.url)
+    loader.client.load_model("scale_later")  # loaded since the start: a restarted worker must load it too
+    loader.close()
     victim_index, victim = _connections(served.url)[0].worker
     failures: list[str] = []
     answered = [0]
@@ -245,9 +249,10 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(serve
     assert restarted is not None, "the killed worker was not restarted"
     assert not lost and answered[0] > 0
     assert set(failures) <= {"StatusCode.UNAVAILABLE"}, failures
-    # The restarted worker has what was loaded since the start (replayed): scale_later, loaded by a test above.
+    # The restarted worker has what was loaded since the start (replayed): scale_later, loaded above.
     assert restarted.client.is_model_ready("scale")
     assert restarted.client.is_model_ready("scale_later")
+    restarted.client.unload_model("scale_later")  # as the other tests find it
     restarted.close()
 
 
