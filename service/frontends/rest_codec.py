@@ -365,12 +365,14 @@ def encode_infer(
         doc["id"] = response.id
     outputs, binary = [], []
     for name, array in response.outputs.items():
-        shape, datatype, raw = list(array.shape), datatype_of(array), output_bytes(array)
+        shape, datatype = list(array.shape), datatype_of(array)
         out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
-        placed = memory.write(name, raw) if memory is not None else None
+        # the protocol's bytes are made only for an output that needs them (not one written as JSON floats)
+        placed = memory.write(name, output_bytes(array)) if memory is not None and name in memory.outputs else None
         if placed is not None:
             out["parameters"] = placed
         elif parsed.binary(name):
+            raw = output_bytes(array)
             out["parameters"] = {BINARY_SIZE: len(raw)}
             binary.append(raw)
         elif datatype == "FP32":  # written as text here: 9 digits a value, not the 17 of its float64 widening
@@ -378,7 +380,7 @@ def encode_infer(
             outputs.append(f'{text[:-1]},"data":{floats(np.asarray(array, dtype=np.float32).reshape(-1))}}}')
             continue
         else:
-            out["data"] = _json_data(datatype, shape, raw)
+            out["data"] = _json_data(datatype, shape, output_bytes(array))
         outputs.append(json.dumps(out, separators=(",", ":")))
     doc["outputs"] = []
     head = json.dumps(doc, separators=(",", ":"))
