@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import onnx
@@ -18,7 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 RunningServer = ServerProcess
 
-__all__ = ["MODELS", "ROOT", "RunningServer", "scale_model", "start_server", "stop_server"]
+__all__ = ["MODELS", "ROOT", "RunningServer", "scale_model", "script_module", "start_server", "stop_server"]
+
+
+def script_module(path: Path, name: str) -> ModuleType:
+    """The repository's script at `path` (a file to run, in no package), imported as module `name`; registered
+    in sys.modules, where dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -117,12 +119,7 @@ def module(name: str) -> None:
 
 def compose_script(name: str) -> ModuleType:
     """deploy/compose/NAME.py, imported: the simulation's scripts are files to run, not a package."""
-    spec = importlib.util.spec_from_file_location(f"qkv_compose_{name}", SIMULATION / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    found = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = found  # dataclasses look their module up
-    spec.loader.exec_module(found)
-    return found
+    return script_module(SIMULATION / f"{name}.py", f"qkv_compose_{name}")
 
 
 def run(

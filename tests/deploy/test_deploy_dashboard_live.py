@@ -9,7 +9,6 @@ evaluate without error.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 from deploy_helpers import GRAFANA, PROMETHEUS, SEQ_LEN_VALUES, module, tool
+
+from tests.conftest import script_module
 
 pytestmark = pytest.mark.slow
 
@@ -158,10 +159,7 @@ def api(base: str, path: str, **params: str) -> dict[str, Any]:
 
 
 def test_every_dashboard_query_returns_data(prometheus: str) -> None:
-    spec = importlib.util.spec_from_file_location("dashboard_queries", GRAFANA / "dashboard_queries.py")
-    assert spec and spec.loader
-    dq = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dq)
+    dq = script_module(GRAFANA / "dashboard_queries.py", "dashboard_queries")
     pending = {expr: title for title, expr in dq.queries()}
     deadline = time.monotonic() + 60  # first scrape ~5 s after start, rate() needs two
     while pending and time.monotonic() < deadline:

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 from deploy_helpers import EXPOSED, GRAFANA, METRICS, grouping_labels, load_yaml, metric_names, ok, run, selectors
 
+from tests.conftest import script_module
+
 DASHBOARD = GRAFANA / "dashboards" / "qkv.json"
-
-
-def load_module(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +22,7 @@ def dashboard() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def dq() -> ModuleType:
-    return load_module(GRAFANA / "dashboard_queries.py")
+    return script_module(GRAFANA / "dashboard_queries.py", "dashboard_queries")
 
 
 def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:

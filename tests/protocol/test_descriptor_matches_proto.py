@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 from google.protobuf import descriptor_pb2
+
+from tests.conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generate_module() -> ModuleType:
     # proto/ is not a package: load the script itself, so the test compiles exactly as it does.
-    spec = importlib.util.spec_from_file_location("proto_generate", ROOT / "proto" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(ROOT / "proto" / "generate.py", "proto_generate")
 
 
 def _read_set(path: Path) -> descriptor_pb2.FileDescriptorSet:

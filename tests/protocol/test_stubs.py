@@ -3,21 +3,17 @@ describes the classes service.protocol builds at run time."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 from service import protocol
+from tests.conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stubs_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("proto_stubs", ROOT / "proto" / "stubs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(ROOT / "proto" / "stubs.py", "proto_stubs")
 
 
 def test_committed_stubs_are_up_to_date() -> None:
