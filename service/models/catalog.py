@@ -423,7 +423,7 @@ def recognised(config: ModelConfig) -> ModelConfig:
 
 def load_checked(directory: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
     """The configurations of the model in `directory` (layout.load_model), each checked against its kind."""
-    configs = [recognised(config) for config in load_model(directory, raw)]
+    configs = load_model(directory, raw, recognised)
     for config in configs:
         check(config)
     return configs

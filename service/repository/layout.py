@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from difflib import get_close_matches
 from pathlib import Path
@@ -624,9 +625,14 @@ def model_cards(model_dir: Path) -> dict[str, dict[str, Any]]:
     return cards
 
 
-def load_model(model_dir: Path, raw: dict[str, Any] | None = None) -> list[ModelConfig]:
-    """The configurations of the versions the model's version policy serves, oldest first."""
-    newest = load_model_config(model_dir, raw=raw)
+def load_model(
+    model_dir: Path,
+    raw: dict[str, Any] | None = None,
+    kind_of: Callable[[ModelConfig], ModelConfig] = lambda config: config,
+) -> list[ModelConfig]:
+    """The configurations of the versions the model's version policy serves, oldest first. `kind_of` gives the
+    newest version's configuration its kind (models/catalog.py `recognised`), which every version shares."""
+    newest = kind_of(load_model_config(model_dir, raw=raw))
     chosen = newest.version_policy.choose(available_versions(model_dir), f"model '{newest.name}'")
     return [replace(newest, version=str(v), directory=model_dir / str(v)) for v in chosen]
 

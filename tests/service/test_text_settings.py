@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.errors import ConfigError, InvalidArgument
-from service.models.catalog import check, recognised
+from service.models.catalog import check, load_checked, recognised
 from service.models.text.pooling import activate, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import read_settings
 from service.models.text.tokens import fit
@@ -140,3 +140,12 @@ def test_dimensions_windows_and_scores() -> None:
     assert np.allclose(np.linalg.norm(pool_windows(windows, np.array([3, 1]), normalize=True)), 1.0)
     assert np.allclose(activate(np.array([[0.0, np.log(3.0)]]), "softmax"), [[0.25, 0.75]])
     assert np.allclose(activate(np.array([[0.0]]), "sigmoid"), [[0.5]])
+
+
+def test_every_version_served_takes_the_kind_the_newest_versions_files_say(tmp_path: Path) -> None:
+    for version in ("1", "2"):
+        (tmp_path / "m" / version).mkdir(parents=True)
+        (tmp_path / "m" / version / "model.onnx").write_bytes(b"")
+    (tmp_path / "m" / "2" / "tokenizer.json").write_text("{}")  # the newest is an exported text model
+    configs = load_checked(tmp_path / "m", raw={"version_policy": {"all": {}}})
+    assert [(c.version, c.kind) for c in configs] == [("1", "text"), ("2", "text")]
