@@ -30,7 +30,6 @@ from deploy_helpers import (
     DOCKER,
     K8S,
     PROMETHEUS,
-    RUN_LABEL,
     SIMULATION,
     compose_script,
     load_yaml,
@@ -247,11 +246,7 @@ def simulation() -> Iterator[Simulation]:
         FIGURES["build and up -> qkv and Prometheus healthy"] = f"{time.monotonic() - start:.1f} s"
         yield sim
     finally:
-        for c in sim.docker("ps", "-aq", "--filter", f"label={RUN_LABEL}").split():  # this run's only
-            sim.docker("rm", "-f", c, check=False)
-        sim.compose("down", "-v", "--remove-orphans")
-        for image in (sim.image(), sim.image() + "-lb"):
-            sim.docker("image", "rm", image, check=False)
+        sim.remove(sim.image(), sim.image() + "-lb")
 
 
 def _decisions(path: Path) -> list[dict[str, Any]]:

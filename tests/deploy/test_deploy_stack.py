@@ -88,6 +88,14 @@ class Stack:
     def containers(self, service: str) -> list[str]:
         return self.compose("ps", "-q", service).split()
 
+    def remove(self, *images: str) -> None:
+        """This run's containers (by RUN_LABEL, none of anyone else's), the project, and `images`."""
+        for c in self.docker("ps", "-aq", "--filter", f"label={RUN_LABEL}").split():
+            self.docker("rm", "-f", c, check=False)
+        self.compose("down", "-v", "--remove-orphans")
+        for image in images:
+            self.docker("image", "rm", image, check=False)
+
     def inspect(self, container: str) -> dict[str, Any]:
         return dict(json.loads(self.docker("inspect", container))[0])
 
@@ -169,10 +177,7 @@ def stack() -> Iterator[Stack]:
         FIGURES["image size"] = f"{size / 1e6:.0f} MB"
         yield s
     finally:
-        for c in s.docker("ps", "-aq", "--filter", f"label={RUN_LABEL}").split():  # this run's only
-            s.docker("rm", "-f", c, check=False)
-        s.compose("down", "-v", "--remove-orphans")
-        s.docker("image", "rm", s.image(), check=False)
+        s.remove(s.image())
 
 
 def test_image_builds_with_no_build_arguments(stack: Stack) -> None:
