@@ -21,9 +21,9 @@ from tritonclient.utils import InferenceServerException
 from service.errors import InvalidArgument, ResourceExhausted
 from service.models.catalog import recognised
 from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
-from service.models.generation.choosing import Chooser
-from service.models.generation.detokenize import Detokenizer
-from service.models.generation.engine import Sequence
+from service.decoding.choosing import Chooser
+from service.decoding.detokenize import Detokenizer
+from service.decoding.engine import Sequence
 from service.models.generation.graphs import Seq2SeqGraphs
 from service.models.generation.model import GenerationModel
 from service.repository.layout import load_model_config
@@ -390,7 +390,7 @@ def _sequence(length: int = 0, prompt: tuple[int, ...] = (5, 6)) -> Sequence:
 
 
 def test_decoding_rows_far_apart_in_length_run_in_separate_calls() -> None:
-    from service.models.generation.engine import PAD_SLACK, _by_length
+    from service.decoding.engine import PAD_SLACK, _by_length
 
     rows = [_sequence(n) for n in (200, 2000, 230, 180, 250, 90)]
     groups = [[s.length for s in g] for g in _by_length(rows)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.models.generation.planning import MIN_CHUNK, PREFILL_SHARE, plan_step, step_budget
+from service.decoding.planning import MIN_CHUNK, PREFILL_SHARE, plan_step, step_budget
 
 BUDGET = 256
 

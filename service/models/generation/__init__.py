@@ -6,10 +6,9 @@
   back (`GenerationChunk`, one per step that produced text), and `Generator`, the protocol a served
   version that generates answers to (front ends find it by this capability, never by the kind's name).
 - `model.py`: the kind (`GenerationModel`): a v2 infer (text_input -> text_output) and the capability.
-- `engine.py`: the decoding thread, continuous batching at the step level; `planning.py`: each step's
-  decoding rows and prefill chunks; `graphs.py`: the exported graphs, recognised and run one step.
-- `choosing.py`, `detokenize.py`, `requests.py`, `folder.py`: the next token; text deltas and stop
-  strings; a request checked (or built from v2 parameters); the folder's defaults and special tokens.
+- `graphs.py`: the exported graphs, recognised and run one step, in the decoding engine (service.decoding).
+- `requests.py`, `folder.py`: a request checked (or built from v2 parameters); the folder's defaults and
+  special tokens.
 """
 
 from service.models.generation.capability import (

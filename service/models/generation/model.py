@@ -5,7 +5,7 @@
 
 as a plain v2 infer (parameters max_tokens, temperature, top_p, top_k, seed, num_beams, length_penalty,
 early_stopping, repetition_penalty, stop, stop_token_ids, ignore_eos), and as the `Generator` capability the
-streaming front ends read chunk by chunk. The graphs run in one decoding engine (engine.py) per version; a
+streaming front ends read chunk by chunk. The graphs run in one decoding engine (service.decoding) per version; a
 beam search (num_beams > 1) runs its beams as rows of the same batch and answers in one chunk.
 """
 
@@ -25,9 +25,9 @@ from service.errors import InvalidArgument, ServingError
 from service.models.catalog import Context, Kind, ServedVersion
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
-from service.models.generation.choosing import Chooser
-from service.models.generation.detokenize import Detokenizer
-from service.models.generation.engine import Engine, Message, Sequence
+from service.decoding.choosing import Chooser
+from service.decoding.detokenize import Detokenizer
+from service.decoding.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer, recognises
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters

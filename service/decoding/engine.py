@@ -39,11 +39,11 @@ from typing import Protocol
 import numpy as np
 
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
-from service.models.generation.capability import FinishReason, GenerationChunk, GenerationRequest
-from service.models.generation.choosing import Chooser
-from service.models.generation.detokenize import Detokenizer
+from service.decoding.request import FinishReason, GenerationChunk, GenerationRequest
+from service.decoding.choosing import Chooser
+from service.decoding.detokenize import Detokenizer
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs
-from service.models.generation.planning import Plan, plan_step, step_budget
+from service.decoding.planning import Plan, plan_step, step_budget
 from service.priority import ComputeThreads
 from service.seq2seq.beams import BeamSearch, log_softmax
 
