@@ -11,7 +11,7 @@ import torch
 
 from export.model import DecoderStep, EncoderGraph, Transformer, TransformerConfig, make_model
 from service.errors import UsageError, readable_file
-from service.seq2seq.graphs import step_arrays
+from service.seq2seq.graphs import Layers, step_arrays
 from service.seq2seq.vocab import Vocabulary
 
 __all__ = [
@@ -89,7 +89,7 @@ class TorchStepModel:
         return ck.numpy(), cv.numpy()
 
     @torch.inference_mode()
-    def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def step(self, *arrays: Layers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         outs = self.decoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in step_arrays(*arrays)))
         return tuple(o.numpy() for o in outs)
 

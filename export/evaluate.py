@@ -14,9 +14,10 @@ from typing import Any
 
 from export import data
 from export.scoring import score
+from service.decoding.words import greedy_decode
 from service.errors import UsageError, in_range
 from service.repository.layout import RepositoryError, load_model_config
-from service.seq2seq.generation import StepModel, beam_search, greedy_decode
+from service.seq2seq.generation import StepModel, beam_search
 from service.seq2seq.graphs import GRAPHEMES_FILE, PHONEMES_FILE, OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 

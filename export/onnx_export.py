@@ -35,11 +35,12 @@ from export.lexicon import build_lines, card_entry, write_lexicon
 from export.model import DecoderStep, EncoderGraph, Transformer
 from export.quantize import file_hashes, quantize_repository
 from export.storage import round_weights_fp16, store_weights_fp16
+from service.decoding.words import greedy_decode
 from service.errors import UsageError, in_range, readable_file
 from service.models.g2p.lexicon import LEXICON_FILE
 from service.models.g2p.text import RULES as TEXT_RULES
 from service.repository.layout import available_versions, model_cards
-from service.seq2seq.generation import StepModel, greedy_decode, pad_ids
+from service.seq2seq.generation import StepModel, pad_ids
 from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,

@@ -25,12 +25,13 @@ import onnx
 from export import data
 from export.evaluate import MAX_OUTPUT_LENGTH, evaluate_repository
 from export.storage import weights_fp32
+from service.decoding.words import greedy_decode
 from service.repository.layout import load_model_config
-from service.seq2seq.generation import greedy_decode
 from service.seq2seq.graphs import (
     DECODER_FILE,
     ENCODER_FILE,
     GRAPHEMES_FILE,
+    Layers,
     OnnxSeq2Seq,
     graph_file,
     session_options,
@@ -75,11 +76,13 @@ def _calibration_feeds(version: Path, words: int) -> tuple[list[dict[str, np.nda
     steps = [0]
 
     class Recorder:
+        cache_shape = fp32.cache_shape
+
         def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             encoder_feeds.append({"input_ids": input_ids, "attention_mask": attention_mask})
             return fp32.encode(input_ids, attention_mask)
 
-        def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        def step(self, *arrays: Layers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             if steps[0] % 3 == 0:
                 feeds = fp32.step_feeds(*arrays)
                 decoder_feeds.append({k: v.copy() for k, v in feeds.items()})  # the cache changes in place

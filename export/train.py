@@ -43,8 +43,8 @@ from export import data
 from export.checkpoint import TorchStepModel, read_checkpoint
 from export.model import TransformerConfig, make_model
 from export.scoring import score
+from service.decoding.words import greedy_decode
 from service.errors import UsageError, in_range, readable_file
-from service.seq2seq.generation import greedy_decode
 
 __all__ = ["TrainConfig", "check", "main", "train"]
 

@@ -34,16 +34,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import cached_property
+from typing import Any, Protocol, cast
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
-from service.decoding.request import FinishReason, GenerationChunk, GenerationRequest
 from service.decoding.choosing import Chooser
 from service.decoding.detokenize import Detokenizer
-from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs
 from service.decoding.planning import Plan, plan_step, step_budget
+from service.decoding.request import FinishReason, GenerationChunk, GenerationRequest
+from service.decoding.steps import DecoderOnly, EncoderDecoder, StartsFromEncoder
+from service.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from service.priority import ComputeThreads
 from service.seq2seq.beams import BeamSearch, log_softmax
 
@@ -52,6 +53,13 @@ __all__ = ["Engine", "EngineObserver", "Sequence"]
 log = logging.getLogger("qkv.generation")
 
 Message = GenerationChunk | ServingError
+
+
+class Outlet(Protocol):
+    """Where a sequence's messages go: its request's asyncio.Queue, or what a caller that steps the engine
+    itself reads them from."""
+
+    def put_nowait(self, item: Message, /) -> None: ...
 
 
 class EngineObserver(Protocol):
@@ -79,8 +87,8 @@ class Sequence:
 
     request: GenerationRequest
     chooser: Chooser
-    detokenizer: Detokenizer
-    queue: asyncio.Queue[Message]  # the request's stream: its chunks, or the error
+    detokenizer: Detokenizer | None  # None: no text (g2p's words are token ids only)
+    queue: Outlet  # the request's stream: its chunks, or the error
     reserved: int = 0  # cache bytes reserved in the budget
     arrived: float = field(default_factory=time.monotonic)
     joined: float = 0.0  # when it joined the running batch
@@ -97,6 +105,11 @@ class Sequence:
     search: BeamSearch | None = None
     beams: list[Sequence] = field(default_factory=list)
     lead: Sequence | None = None
+    score: float = 0.0  # the chosen tokens' logits summed (their log-probability where the graph gives log-probs)
+    attention: list[np.ndarray] | None = None  # a list: each output token's cross-attention row (g2p's graphs)
+    tag: Any = None  # the caller's handle, opaque to the engine
+    # Where its cache lies in the last step's outputs (an encoder-decoder's): the call's group and its row there
+    slot: tuple[tuple[int, ...], int] | None = None
 
     @property
     def owner(self) -> Sequence:
@@ -121,7 +134,7 @@ class Sequence:
 class Engine:
     """One decoding thread stepping the running batch of one model instance."""
 
-    def __init__(self, name: str, graph: CausalGraph | Seq2SeqGraphs, compute: ComputeThreads, eos: tuple[int, ...],
+    def __init__(self, name: str, graph: DecoderOnly | EncoderDecoder, compute: ComputeThreads, eos: tuple[int, ...],
                  decoder_start: int, max_positions: int, cache_budget: int, step_tokens: int, max_running: int,
                  max_waiting: int, observer: EngineObserver | None = None, min_join: int = 1,
                  join_delay: float = 0.0) -> None:  # fmt: skip
@@ -132,13 +145,12 @@ class Engine:
         # An encoder-decoder whose decoder takes no self-attention mask runs its decoder rows in groups of equal
         # length: its new sequences join a running batch together, at least `min_join` of them (or fewer once
         # the oldest has waited `join_delay` s). A masked one's join at once.
-        equal_lengths = isinstance(graph, Seq2SeqGraphs) and not graph.masked
+        equal_lengths = isinstance(graph, EncoderDecoder) and not graph.masked
         self.min_join, self.join_delay = (min_join, join_delay) if equal_lengths else (1, 0.0)
         self.observer: EngineObserver = observer or _NoObserver()
-        self.encoder_decoder = isinstance(graph, Seq2SeqGraphs)
-        past = graph.past
-        self.token_bytes = sum(own for own in past.self_attention) * past.heads * past.head_dim * 4
-        self.cross_bytes = sum(not own for own in past.self_attention) * past.heads * past.head_dim * 4
+        self.encoder_decoder = isinstance(graph, EncoderDecoder)
+        # A decoder that also takes the first step: new prompts decode in the step's call (g2p's graphs)
+        self.starts_from_encoder = isinstance(graph, StartsFromEncoder)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
@@ -157,6 +169,18 @@ class Engine:
         self.failure = ""
 
     # --- the event loop's side --------------------------------------------------------------------------
+
+    @cached_property
+    def token_bytes(self) -> int:
+        """A sequence's cache bytes per token (its decoder's keys and values in every layer)."""
+        past = self.graph.past
+        return sum(own for own in past.self_attention) * past.heads * past.head_dim * 4
+
+    @cached_property
+    def cross_bytes(self) -> int:
+        """An encoder-decoder's cross-attention cache bytes per prompt token."""
+        past = self.graph.past
+        return sum(not own for own in past.self_attention) * past.heads * past.head_dim * 4
 
     def reservation(self, request: GenerationRequest) -> int:
         """The cache bytes a request reserves: its whole prompt and output, for each of its beams."""
@@ -192,6 +216,13 @@ class Engine:
             sequence.cancelled = True
             sequence.cancelled_at = self.steps
             self._lock.notify()
+
+    def join(self, sequences: list[Sequence]) -> None:
+        """`sequences` join the running batch at the next step, past the queue and the cache budget: for a caller
+        that schedules its own requests and steps the engine itself, never starting its thread (g2p's scheduler).
+        Their messages then reach their outlets during `step`, on the caller's thread."""
+        with self._lock:
+            self.running.extend(sequences)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -232,9 +263,10 @@ class Engine:
             for s, message in out:
                 s.queue.put_nowait(message)
 
-        if self._loop is None or self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(put)
+        if self._loop is None:  # stepped by its caller, on the caller's thread: delivered now
+            put()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(put)
 
     def _work(self, slot: int) -> None:
         self.compute.lower_this_thread(slot)
@@ -341,7 +373,6 @@ class Engine:
     # --- decoder-only -----------------------------------------------------------------------------------
 
     def _causal_step(self, running: list[Sequence], plan: Plan) -> None:
-        assert isinstance(self.graph, CausalGraph)
         if plan.decode:
             started = time.perf_counter()
             for group in _by_length([running[i] for i in plan.decode]):
@@ -360,8 +391,7 @@ class Engine:
 
     def _causal_rows(self, rows: list[tuple[Sequence, list[int]]], emits: list[bool]) -> None:
         """Run `rows` (a sequence and its new tokens) in one call; each whose flag is set chooses its next token."""
-        graph = self.graph
-        assert isinstance(graph, CausalGraph)
+        graph = cast(DecoderOnly, self.graph)
         b = len(rows)
         lengths = [s.length for s, _ in rows]
         p, t = max(lengths), max(len(new) for _, new in rows)
@@ -393,9 +423,12 @@ class Engine:
     # --- encoder-decoder --------------------------------------------------------------------------------
 
     def _seq2seq_step(self, running: list[Sequence], plan: Plan) -> None:
-        graph = self.graph
-        assert isinstance(graph, Seq2SeqGraphs)
+        graph = cast(EncoderDecoder, self.graph)
         rows = [running[i] for i in plan.decode]
+        new = sorted((running[i] for i, _ in plan.prefill), key=lambda s: len(s.prompt))
+        if new and self.starts_from_encoder:  # their first step is in the decoding call, beside the others'
+            self._seq2seq_encode(new)
+            rows, new = rows + new, []
         if graph.masked:  # rows of different lengths in one call, left-padded (far apart ones apart)
             groups = _by_length(rows)
         else:  # a pad would change the answer: rows of equal length together
@@ -407,21 +440,35 @@ class Engine:
         for group in groups:
             self._seq2seq_decode(group)
         self._groups = self._next_groups  # what the next step may take as it is
-        if plan.prefill:
-            self._seq2seq_start(sorted((running[i] for i, _ in plan.prefill), key=lambda s: len(s.prompt)))
+        if new:
+            self._seq2seq_start(new)
 
-    def _seq2seq_start(self, new: list[Sequence]) -> None:
-        """Encode the new prompts (right-padded) and run the decoder's first step."""
-        graph = self.graph
-        assert isinstance(graph, Seq2SeqGraphs)
+    def _encoded(self, new: list[Sequence]) -> tuple[Any, np.ndarray]:
+        """The new prompts, right-padded, through the encoder: its output and the prompts' mask."""
+        graph = cast(EncoderDecoder, self.graph)
         b, width = len(new), max(len(s.prompt) for s in new)
         ids = np.zeros((b, width), dtype=np.int64)
         mask = np.zeros((b, width), dtype=np.int64)
         for r, s in enumerate(new):
             ids[r, : len(s.prompt)] = s.prompt
             mask[r, : len(s.prompt)] = 1
-        hidden = graph.encode(ids, mask)
-        start = np.full((b, 1), self.decoder_start, dtype=np.int64)
+        return graph.encode(ids, mask), mask
+
+    def _seq2seq_encode(self, new: list[Sequence]) -> None:
+        """Encode the new prompts: each holds its cross-attention arrays and an empty self-attention cache."""
+        graph = cast(EncoderDecoder, self.graph)
+        hidden, _ = self._encoded(new)
+        first = cast(StartsFromEncoder, graph).first_cache(hidden)
+        for r, s in enumerate(new):
+            n = len(s.prompt)
+            s.cache = [a[r] if own else a[r][:, :n] for a, own in zip(first, graph.past.self_attention, strict=True)]
+            s.done = 1
+
+    def _seq2seq_start(self, new: list[Sequence]) -> None:
+        """Encode the new prompts (right-padded) and run the decoder's first step."""
+        graph = cast(EncoderDecoder, self.graph)
+        hidden, mask = self._encoded(new)
+        start = np.full((len(new), 1), self.decoder_start, dtype=np.int64)
         logits, present = graph.start(start, hidden, mask)
         for r, s in enumerate(new):
             n = len(s.prompt)
@@ -434,38 +481,63 @@ class Engine:
         """One token for a group of sequences: their decoder caches stacked, left-padded to the longest (a
         decoder that takes no self-attention mask gets groups of equal length), the encoder's right-padded. A
         group that decoded together at the last step takes that step's outputs as they are (nothing copied)."""
-        graph = self.graph
-        assert isinstance(graph, Seq2SeqGraphs)
+        graph = cast(EncoderDecoder, self.graph)
         key = tuple(id(s) for s in group)
         lengths = [s.length for s in group]
-        b, p = len(group), max(lengths)
         kept = self._groups.get(key)
-        if kept is not None:
-            mask, self_mask, past = kept
-        else:
-            width = max(len(s.prompt) for s in group)
-            mask = np.zeros((b, width), dtype=np.int64)
-            self_mask = np.zeros((b, p + 1), dtype=np.int64)  # the cache and the new token: 1 real, 0 a pad
-            h, d = graph.past.heads, graph.past.head_dim
-            past = []
-            for j, own in enumerate(graph.past.self_attention):
-                a = np.zeros((b, h, p if own else width, d), dtype=graph.dtype)
-                for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
-                    if own:
-                        a[r, :, p - n :] = s.cache[j]
-                    else:
-                        a[r, :, : len(s.prompt)] = s.cache[j]
-                past.append(a)
-            for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
-                mask[r, : len(s.prompt)] = 1
-                self_mask[r, p - n :] = 1
-        ids = np.array([[s.output[-1]] for s in group], dtype=np.int64)
+        mask, self_mask, past = kept if kept is not None else self._stacked(group, lengths)
+        p = self_mask.shape[1] - 1  # the cache's positions in this call, pads included
+        ids = np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
         logits, present = graph.step(ids, mask, past, self_mask)
         self._next_groups[key] = (mask, np.pad(self_mask, ((0, 0), (0, 1)), constant_values=1), present)
+        attention = cast(StartsFromEncoder, graph).attention() if self.starts_from_encoder else None
         for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
             s.cache = [a[r, :, p - n :] if own else c
                        for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)]  # fmt: skip
+            s.slot = (key, r)
+            if s.attention is not None and attention is not None:
+                s.attention.append(attention[r, : len(s.prompt)].copy())
             self._advance(s, logits[r, -1])
+
+    def _stacked(self, group: list[Sequence], lengths: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """A group's encoder mask, self-attention mask (B, P+1) and past: caches left-padded to the longest (at
+        least one position: a masked pad before a first step), the encoder's right-padded. Rows that decoded
+        together at the last step (most of a running batch's) are copied from that step's outputs as one block."""
+        graph = cast(EncoderDecoder, self.graph)
+        own = graph.past.self_attention
+        b, p, width = len(group), max(1, *lengths), max(len(s.prompt) for s in group)
+        mask = np.zeros((b, width), dtype=np.int64)
+        self_mask = np.zeros((b, p + 1), dtype=np.int64)  # the cache and the new token: 1 real, 0 a pad
+        blocks: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
+            mask[r, : len(s.prompt)] = 1
+            self_mask[r, p - n :] = 1
+            if s.slot is not None and s.slot[0] in self._groups:
+                blocks.setdefault(s.slot[0], []).append((r, s.slot[1]))
+        h, d = graph.past.heads, graph.past.head_dim
+        past = [np.zeros((b, h, p if o else width, d), dtype=graph.dtype) for o in own]
+        copied: set[int] = set()
+        for last, pairs in blocks.items():
+            if len(pairs) < 2:
+                continue
+            rows, was = np.array([r for r, _ in pairs]), np.array([r for _, r in pairs])
+            m = max(lengths[r] for r, _ in pairs)  # the block's longest cache: its rows' last m positions
+            for a, before, o in zip(past, self._groups[last][2], own, strict=True):
+                if o:
+                    a[rows, :, p - m :] = before[was, :, before.shape[2] - m :]
+                else:
+                    w = min(before.shape[2], width)
+                    a[rows, :, :w] = before[was, :, :w]
+            copied.update(rows.tolist())
+        for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
+            if r in copied:
+                continue
+            for a, c, o in zip(past, s.cache, own, strict=True):
+                if o:
+                    a[r, :, p - n :] = c
+                else:
+                    a[r, :, : len(s.prompt)] = c
+        return mask, self_mask, past
 
     # --- choosing and answering -------------------------------------------------------------------------
 
@@ -476,6 +548,7 @@ class Engine:
             self._beam_advance(s, logits)
             return
         token = s.chooser.choose(logits, self._seen(s) if s.chooser.penalty != 1.0 else ())
+        s.score += float(logits[token])
         first = not s.output
         s.output.append(token)
         if first:
@@ -483,15 +556,16 @@ class Engine:
             self.observer.first_token(s.first - s.arrived, s.joined - s.arrived)
         reason: FinishReason | None = None
         special = (token in self.eos and not request.ignore_eos) or token in request.stop_token_ids
-        text = "" if special else s.detokenizer.add(token)
-        if special or s.detokenizer.stopped:
+        detokenizer = s.detokenizer
+        text = "" if special or detokenizer is None else detokenizer.add(token)
+        if special or (detokenizer is not None and detokenizer.stopped):
             reason = "stop"
         elif len(s.output) >= request.max_tokens or (
             self.max_positions and len(s.prompt) + len(s.output) >= self.max_positions
         ):
             reason = "length"
-        if reason is not None:
-            text += s.detokenizer.flush()
+        if reason is not None and detokenizer is not None:
+            text += detokenizer.flush()
         chunk = GenerationChunk((token,), text, reason, len(s.prompt), len(s.output))
         if reason is not None:
             self._finish(s, chunk, None)
@@ -546,7 +620,8 @@ class Engine:
         lead.output = list(tokens)
         self.observer.first_token(time.monotonic() - lead.arrived, lead.joined - lead.arrived)  # the client's
         ended = bool(tokens) and tokens[-1] in lead.search.eos
-        text = lead.detokenizer.decode(list(tokens[:-1] if ended else tokens))
+        body = list(tokens[:-1] if ended else tokens)
+        text = lead.detokenizer.decode(body) if lead.detokenizer is not None else ""
         reason: FinishReason = "stop" if ended else "length"
         self._finish(lead, GenerationChunk(tokens, text, reason, len(lead.prompt), len(tokens)), None)
 

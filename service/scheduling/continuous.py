@@ -1,9 +1,9 @@
 """Continuous (iteration-level) batching of word decoding, for the g2p kind.
 
-One decoding thread per model instance keeps its own `DecodingBatch` (service.seq2seq.generation) and
-steps it without returning to the event loop. A finished word leaves at once, and its request
-is answered as soon as all its words are done; waiting words join the running batch at the next
-step (continuous), or only once it is empty (static). Beam requests decode together in a beam
+One decoding thread per model instance keeps its own running batch, a decoding engine over g2p's graphs
+(service.decoding.words), and steps it without returning to the event loop. A finished word leaves at
+once, and its request is answered as soon as all its words are done; waiting words join the running
+batch at the next step (continuous), or only once it is empty (static). Beam requests decode together in a beam
 search of their own, which the thread steps in turn with the greedy batch: the two classes share
 the decoding steps by cost (rows per step, words x beams for a beam search), the one served less
 going next (`FairShare`), so that neither waits behind the other without bound. Admission
@@ -20,11 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from service.decoding.engine import Engine
+from service.decoding.engine import Sequence as Word
+from service.decoding.words import WordSteps, error_of, greedy_decode, hypothesis, word, word_engine
 from service.errors import Internal, ServingError, Unavailable
 from service.priority import ComputeThreads
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
-from service.seq2seq.generation import BeamSearch, DecodingBatch, Hypothesis, StepModel, beam_search
+from service.seq2seq.generation import BeamSearch, Hypothesis, StepModel, beam_search
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import BatchSpan, Tracing
@@ -105,10 +108,10 @@ class _Beams:
 class GenerationScheduler:
     """Continuous batching of word decoding: one decoding thread per model instance.
 
-    Each thread keeps its own `DecodingBatch` and runs step after step without returning to the
-    event loop: finished requests are handed back with `call_soon_threadsafe`, and waiting words
-    are taken from the shared queue between steps (continuous) or only when the batch is empty
-    (static). The queue and its admission counters are shared under one lock.
+    Each thread keeps its own running batch (an `Engine` over g2p's graphs) and runs step after step
+    without returning to the event loop: finished requests are handed back with `call_soon_threadsafe`,
+    and waiting words are taken from the shared queue between steps (continuous) or only when the batch
+    is empty (static). The queue and its admission counters are shared under one lock.
     """
 
     def __init__(
@@ -203,12 +206,12 @@ class GenerationScheduler:
         self._resolve(item, error=error)
         return True
 
-    def _admit_into(self, batch: DecodingBatch) -> list[Hypothesis]:
+    def _admit_into(self, batch: Engine) -> list[Word]:
         """Waiting greedy requests that fit into `batch` now (whole requests, oldest first)."""
         c = self.config
         now = time.monotonic()
-        rows = len(batch)
-        joined: list[Hypothesis] = []
+        rows = len(batch.running)
+        joined: list[Word] = []
         if rows and not (c.continuous and c.enabled):  # static batching, or none: no one joins a running batch
             return joined
         for item in [x for x in self.queue if x.payload.beam_size == 1]:
@@ -228,8 +231,7 @@ class GenerationScheduler:
             self._pop(item)
             item.started = now
             self.observer.waited(now - item.arrived)
-            joined += [Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
-                       for j, src in enumerate(req.sources)]  # fmt: skip
+            joined += _words(item)
             rows += n
             if not c.enabled:
                 break
@@ -294,9 +296,9 @@ class GenerationScheduler:
         log.error("%s", message, exc_info=error)
         items: dict[int, WorkItem] = {}
         for part in held:
-            things = part.rows if isinstance(part, DecodingBatch) else part.items if isinstance(part, _Beams) else part
+            things = part.running if isinstance(part, Engine) else part.items if isinstance(part, _Beams) else part
             for thing in things or ():
-                item = thing.tag[0] if isinstance(thing, Hypothesis) else thing
+                item = thing.tag[0] if isinstance(thing, Hypothesis | Word) else thing
                 items[id(item)] = item
         with self._lock:
             first = not self.failure
@@ -318,7 +320,8 @@ class GenerationScheduler:
     def _decode(self, instance: int, slot: int, held: list[Any]) -> None:
         self.compute.lower_this_thread(slot)
         model = self.models[instance]
-        batch = DecodingBatch(model)
+        steps = WordSteps(model)
+        batch = word_engine(steps, self.config.max_batch_size, self.name, self.compute)
         beams: _Beams | None = None
         share = FairShare()
         tracer = self.tracer
@@ -326,18 +329,18 @@ class GenerationScheduler:
         kind = "continuous" if self.config.continuous and self.config.enabled else "static"
         while True:
             taken: list[WorkItem] = []
-            new: list[Hypothesis] = []
+            new: list[Word] = []
             held[:] = (batch, beams, taken, new)  # filled in place below: `_died` finds what was taken
             with self._lock:
-                while not len(batch) and beams is None and not self.queue and not self._stopping:
+                while not batch.running and beams is None and not self.queue and not self._stopping:
                     self._lock.wait()
-                if self._stopping and not len(batch) and beams is None and not self.queue:
+                if self._stopping and not batch.running and beams is None and not self.queue:
                     return
                 beam_ready = beams is not None or self._waiting(BEAM)
-                work = share.choose(bool(len(batch)) or self._waiting(GREEDY), beam_ready)
+                work = share.choose(bool(batch.running) or self._waiting(GREEDY), beam_ready)
                 if work == GREEDY:
                     new += self._admit_into(batch)
-                    if not new and not len(batch):  # the words went to another instance, or are gone
+                    if not new and not batch.running:  # the words went to another instance, or are gone
                         work = BEAM if beam_ready else None
                 if work == BEAM and beams is None:
                     taken += self._next_beams()
@@ -358,17 +361,19 @@ class GenerationScheduler:
             joining = None
             if tracer is not None and new:
                 joining = tracer.open_batch(self.name, [h.tag[0] for h in new], instance, kind)
-            try:
-                batch.add(new)
-                rows, real = len(batch), int(batch.memory_mask.sum())
-                padded = batch.memory_mask.size
-                finished = batch.step()
-            except Exception as e:  # the batch's requests decoded again one at a time: only the one at fault fails
+            batch.join(new)
+            stepping = list(batch.running)
+            rows, real = len(stepping), sum(len(w.prompt) for w in stepping)
+            padded = rows * max(len(w.prompt) for w in stepping)
+            batch.step()
+            failed = next((e for w in stepping if (e := error_of(w)) is not None), None)
+            if failed is not None:  # the batch's requests decoded again one at a time: only the one at fault fails
                 if joining is not None:
-                    joining.close(len(batch), 0, 0)
-                self._isolate(model, [*batch.rows, *new], e)
-                batch = DecodingBatch(model)
+                    joining.close(rows, 0, 0)
+                self._isolate(steps, stepping, failed)
+                batch = word_engine(steps, self.config.max_batch_size, self.name, self.compute)
                 continue
+            finished = [hypothesis(w) for w in stepping if w.finished]
             seconds = time.monotonic() - start
             share.charge(GREEDY, rows)
             if company is not None:
@@ -380,7 +385,7 @@ class GenerationScheduler:
             with self._lock:
                 self.admission.measured(rows, seconds, saturated=self._full(rows))
 
-    def _isolate(self, model: StepModel, rows: list[Hypothesis], error: Exception) -> None:
+    def _isolate(self, model: WordSteps, rows: list[Word], error: BaseException) -> None:
         """A decoding step failed: each request that had words in the batch decodes all its words again, alone,
         and is answered; one whose words still fail gets the error. The others are not failed with it."""
         items = list({id(h.tag[0]): h.tag[0] for h in rows}.values())
@@ -391,13 +396,12 @@ class GenerationScheduler:
         for item in items:
             req: WordsRequest = item.payload
             req.results, req.remaining = [None] * len(req.sources), len(req.sources)
-            alone = DecodingBatch(model)
             try:
-                alone.add([Hypothesis(src, req.max_output_length, tag=(item, j), with_attention=req.with_attention)
-                           for j, src in enumerate(req.sources)])  # fmt: skip
-                finished: list[Hypothesis] = []
-                while len(alone):
-                    finished += alone.step()
+                finished = greedy_decode(
+                    model, req.sources, req.max_output_length, len(req.sources), req.with_attention
+                )
+                for j, h in enumerate(finished):
+                    h.tag = (item, j)
             except Exception as e:
                 self.observer.computation_failed("request")
                 log.error("model '%s': a request's words failed to decode alone: %s", self.name, e)
@@ -498,3 +502,9 @@ class GenerationScheduler:
             self._lock.notify_all()
         for t in self._threads:
             await asyncio.get_running_loop().run_in_executor(None, t.join)
+
+
+def _words(item: WorkItem) -> list[Word]:
+    """A request's words, to join the running batch: each tagged with its request and its index there."""
+    req: WordsRequest = item.payload
+    return [word(src, req.max_output_length, req.with_attention, tag=(item, j)) for j, src in enumerate(req.sources)]

@@ -1,4 +1,5 @@
-"""Autoregressive decoding over an encoder and a one-step decoder with a key/value cache.
+"""g2p's step model, its hypotheses, and its beam search over an encoder and a one-step decoder with a
+key/value cache. (Greedy decoding runs in the decoding engine: service.decoding.words.)
 
 Pure numpy, so one implementation serves the PyTorch checkpoint (training, evaluation) and the
 ONNX graphs (evaluation, serving). The model is anything with `encode` and `step` (see
@@ -12,8 +13,7 @@ ONNX graphs (evaluation, serving). The model is anything with `encode` and `step
 
 The cache is the caller's and is never copied by a step: the step reads it in place and the
 caller writes the new keys and values into the next free slot, growing the cache a few slots at a
-time. `DecodingBatch` is the unit of continuous batching: rows may join at any step (their cache
-is padded to the batch's length and masked) and leave as soon as they finish.
+time.
 """
 
 from __future__ import annotations
@@ -25,17 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.seq2seq.beams import BeamSearch as Beams
+from service.seq2seq.graphs import Layers
 
-__all__ = [
-    "CACHE_GROWTH",
-    "BeamSearch",
-    "DecodingBatch",
-    "Hypothesis",
-    "StepModel",
-    "beam_search",
-    "cache_capacity",
-    "greedy_decode",
-]
+__all__ = ["CACHE_GROWTH", "BeamSearch", "Hypothesis", "StepModel", "beam_search", "cache_capacity", "pad_ids"]
 
 
 class StepModel(Protocol):
@@ -47,14 +39,15 @@ class StepModel(Protocol):
         self,
         tokens: np.ndarray,
         positions: np.ndarray,
-        cache_keys: np.ndarray,
-        cache_values: np.ndarray,
+        cache_keys: Layers,
+        cache_values: Layers,
         cache_mask: np.ndarray,
-        cross_keys: np.ndarray,
-        cross_values: np.ndarray,
+        cross_keys: Layers,
+        cross_values: Layers,
         memory_mask: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """-> log_probs (B, V), new_keys, new_values (L, B, H, K), attention (B, S)."""
+        """-> log_probs (B, V), new_keys, new_values (L, B, H, K), attention (B, S). The per-layer arrays
+        come as one (L, ...) array or as a list of each layer's (the decoding engine keeps them apart)."""
         ...
 
 
@@ -84,13 +77,6 @@ def _gather_rows(a: np.ndarray, index: np.ndarray, rows: int, width: int | None 
     return out
 
 
-def _padded(mask: np.ndarray, rows: int, width: int) -> np.ndarray:
-    """(n, W) -> (rows, width): the mask's rows, then zero rows; every row zero-padded."""
-    out = np.zeros((rows, width), dtype=mask.dtype)
-    out[: mask.shape[0], : mask.shape[1]] = mask
-    return out
-
-
 @dataclass
 class Hypothesis:
     """One word being decoded: its graphemes, the tokens so far (from <s>), its attention rows."""
@@ -111,169 +97,6 @@ class Hypothesis:
         return body[:-1] if self.done and body and body[-1] == self.eos else body
 
     eos: int = 2
-
-
-class DecodingBatch:
-    """Rows decoded in lock step; rows join between steps and leave as they finish.
-
-    Every array has room to spare: rows (the batch axis), cache slots and source positions are
-    allocated ahead and the first `len(self)` rows are the batch. A step reads each layer's
-    `[:rows]`, a contiguous view, so nothing is copied to run it. A row that joins is written into
-    the next free row; a row that leaves is filled by the last row (its data moved, nobody else's).
-    Only growing an array, or dropping cache slots no row uses any more, copies the batch.
-    """
-
-    def __init__(self, model: StepModel, bos_id: int = 1, eos_id: int = 2, with_attention: bool = False) -> None:
-        self.model = model
-        self.bos_id, self.eos_id = bos_id, eos_id
-        self.with_attention = with_attention
-        self.rows: list[Hypothesis] = []
-        # (L, R, H, S, K) and (R, S): row capacity R, source capacity S; (L, R, H, C, K) and (R, C): C cache slots
-        self.cross_keys = self.cross_values = self.cache_keys = self.cache_values = np.zeros(
-            (0, 0, 0, 0, 0), np.float32
-        )
-        self._memory_mask = np.zeros((0, 0), dtype=np.int64)
-        self._cache_mask = np.zeros((0, 0), dtype=np.int64)
-        self.cache_length = 0  # slots used, T <= C: the next step writes slot T
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def memory_mask(self) -> np.ndarray:
-        """(rows, S): 1 where a row's grapheme is real; S is the source positions each step computes."""
-        return self._memory_mask[: len(self.rows)]
-
-    @property
-    def cache_mask(self) -> np.ndarray:
-        """(rows, C): 1 where a row's cache slot is real."""
-        return self._cache_mask[: len(self.rows)]
-
-    def add(self, hyps: Sequence[Hypothesis]) -> None:
-        """Encode the new rows together and write them into the free rows after the batch's."""
-        if not hyps:
-            return
-        ids, mask = pad_ids([h.src for h in hyps])
-        ck, cv = self.model.encode(ids, mask)
-        for h in hyps:
-            h.tokens, h.eos = [self.bos_id], self.eos_id
-        n, k, s = len(self.rows), len(hyps), mask.shape[1]
-        if not n:  # a fresh batch: allocate for it (every array sized anew)
-            self.cache_length = 0
-            self._allocate(k, s, cache_capacity(1), ck.shape, ck.dtype)
-        elif n + k > self._memory_mask.shape[0] or s > self._memory_mask.shape[1]:
-            self._allocate(max(n + k, 2 * n), max(s, self._memory_mask.shape[1]), self._cache_mask.shape[1],
-                           ck.shape, ck.dtype)  # fmt: skip
-        new = slice(n, n + k)
-        for a, b in ((self.cross_keys, ck), (self.cross_values, cv)):
-            a[:, new, :, :s] = b
-            a[:, new, :, s:] = 0
-        self._memory_mask[new] = 0
-        self._memory_mask[new, :s] = mask
-        self._cache_mask[new] = 0  # no history: slots before T are padding to them, masked
-        self.rows += hyps
-
-    def _allocate(self, rows: int, source: int, slots: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        """Arrays for `rows` rows, `source` positions (rounded up) and `slots` cache slots, with the
-        batch's rows, sources and used cache slots copied in."""
-        n, t, s = len(self.rows), self.cache_length, cache_capacity(source)
-        if not n:  # a fresh batch: nothing to copy (the old arrays may be of any shape)
-            layers, _, heads, _, d_k = shape
-            self.cross_keys, self.cross_values = (np.zeros((layers, rows, heads, s, d_k), dtype) for _ in range(2))
-            self.cache_keys, self.cache_values = (np.zeros((layers, rows, heads, slots, d_k), dtype) for _ in range(2))
-            self._memory_mask = np.zeros((rows, s), dtype=np.int64)
-            self._cache_mask = np.zeros((rows, slots), dtype=np.int64)
-            return
-        everyone, used = np.arange(n), self._memory_mask.shape[1]
-        self.cross_keys, self.cross_values = (_gather_rows(a[:, :, :, :used], everyone, rows, s)
-                                              for a in (self.cross_keys, self.cross_values))  # fmt: skip
-        self.cache_keys, self.cache_values = (_gather_rows(a[:, :, :, :t], everyone, rows, slots)
-                                              for a in (self.cache_keys, self.cache_values))  # fmt: skip
-        self._memory_mask = _padded(self._memory_mask[:n], rows, s)
-        self._cache_mask = _padded(self._cache_mask[:n, :t], rows, slots)
-
-    def _make_room(self) -> None:
-        """Before a step: when the cache is full, or CACHE_GROWTH leading slots are used by no row
-        any more, copy the used slots into a cache with room for CACHE_GROWTH more."""
-        n, t = len(self.rows), self.cache_length
-        used = np.flatnonzero(self._cache_mask[:n, :t].any(axis=0))
-        first = int(used[0]) if used.size else t
-        if t < self._cache_mask.shape[1] and first < CACHE_GROWTH:
-            return
-        everyone, rows, capacity = np.arange(n), self._cache_mask.shape[0], cache_capacity(t - first + 1)
-        self.cache_keys, self.cache_values = (_gather_rows(a[:, :, :, first:t], everyone, rows, capacity)
-                                              for a in (self.cache_keys, self.cache_values))  # fmt: skip
-        self._cache_mask, self.cache_length = _padded(self._cache_mask[:n, first:t], rows, capacity), t - first
-
-    def _leave(self, finished: list[int]) -> None:
-        """Rows `finished` leave: each is filled by the batch's last row (that row's data moved)."""
-        for i in sorted(finished, reverse=True):
-            last = len(self.rows) - 1
-            if i != last:
-                for a in (self.cross_keys, self.cross_values, self.cache_keys, self.cache_values):
-                    a[:, i] = a[:, last]
-                for m in (self._memory_mask, self._cache_mask):
-                    m[i] = m[last]
-                self.rows[i] = self.rows[last]
-            self.rows.pop()
-
-    def step(self) -> list[Hypothesis]:
-        """Advance every row by one token; return the rows that finished (and left the batch)."""
-        n = len(self.rows)
-        if not n:
-            return []
-        self._make_room()
-        tokens = np.array([h.tokens[-1] for h in self.rows], dtype=np.int64)
-        positions = np.array([len(h.tokens) - 1 for h in self.rows], dtype=np.int64)
-        log_probs, new_keys, new_values, attention = self.model.step(
-            tokens,
-            positions,
-            self.cache_keys[:, :n],  # each layer's [:n] is contiguous: the graph reads it in place
-            self.cache_values[:, :n],
-            self._cache_mask[:n],
-            self.cross_keys[:, :n],
-            self.cross_values[:, :n],
-            self._memory_mask[:n],
-        )
-        t = self.cache_length  # every row's new token takes slot t, in place
-        self.cache_keys[:, :n, :, t] = new_keys
-        self.cache_values[:, :n, :, t] = new_values
-        self._cache_mask[:n, t] = 1
-        self.cache_length = t + 1
-        best = log_probs.argmax(axis=-1)
-        finished, leaving = [], []
-        for i, h in enumerate(self.rows):
-            token = int(best[i])
-            h.tokens.append(token)
-            h.score += float(log_probs[i, token])
-            if self.with_attention or h.with_attention:
-                h.attention.append(attention[i, : len(h.src)].copy())
-            if token == self.eos_id or len(h.tokens) - 1 >= h.max_len:
-                h.done = token == self.eos_id
-                finished.append(h)
-                leaving.append(i)
-        self._leave(leaving)
-        return finished
-
-
-def greedy_decode(
-    model: StepModel,
-    sources: Sequence[Sequence[int]],
-    max_len: int,
-    batch_size: int = 256,
-    with_attention: bool = False,
-) -> list[Hypothesis]:
-    """Greedy decoding of every source, `batch_size` rows at a time, sorted by length."""
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    results: list[Hypothesis | None] = [None] * len(sources)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        batch = DecodingBatch(model, with_attention=with_attention)
-        batch.add([Hypothesis(list(sources[i]), max_len, tag=i) for i in chunk])
-        while len(batch):
-            for h in batch.step():
-                results[h.tag] = h
-    return [h for h in results if h is not None]
 
 
 def beam_search(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Self, TypeVar
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -15,6 +15,7 @@ __all__ = [
     "GRAPHEMES_FILE",
     "GRAPH_POSITIONS",
     "PHONEMES_FILE",
+    "Layers",
     "OnnxSeq2Seq",
     "graph_file",
     "session_options",
@@ -32,6 +33,8 @@ def graph_file(name: str, precision: str = "fp32") -> str:
     return name if precision == "fp32" else name.replace(".onnx", f".{precision}.onnx")
 
 
+Layers = np.ndarray | Sequence[np.ndarray]  # a per-layer input: (L, B, ...), or each layer's (B, ...)
+
 STEP_INPUTS = ("tokens", "positions", "cache_mask", "memory_mask")  # then PER_LAYER_INPUTS for each layer
 PER_LAYER_INPUTS = ("cache_keys", "cache_values", "cross_keys", "cross_values")
 STEP_OUTPUTS = ("log_probs", "new_keys", "new_values", "cross_attention")
@@ -42,19 +45,10 @@ def step_input_names(layers: int) -> list[str]:
     return [*STEP_INPUTS, *(f"{name}_{i}" for i in range(layers) for name in PER_LAYER_INPUTS)]
 
 
-class _Layered(Protocol):
-    """What `step_arrays` needs of an array: numpy's, or torch's when exporting (no torch import here)."""
-
-    def __len__(self) -> int: ...
-    def __getitem__(self, index: int, /) -> Self: ...
-
-
-_A = TypeVar("_A", bound=_Layered)
-
-
-def step_arrays(*args: _A) -> list[_A]:
-    """A `StepModel.step`'s arguments in the decoder graph's input order. Each layer's slice of an
-    (L, ...) array is a contiguous view: nothing is copied."""
+def step_arrays(*args: Any) -> list[Any]:
+    """A `StepModel.step`'s arguments in the decoder graph's input order: numpy arrays, or torch's tensors
+    when exporting (no torch import here); a per-layer one as an (L, ...) array, whose each layer's slice is a
+    contiguous view (nothing is copied), or as a list of each layer's."""
     tokens, positions, cache_keys, cache_values, cache_mask, cross_keys, cross_values, memory_mask = args
     per_layer = (cache_keys, cache_values, cross_keys, cross_values)
     return [tokens, positions, cache_mask, memory_mask, *(a[i] for i in range(len(cache_keys)) for a in per_layer)]
@@ -98,6 +92,8 @@ class OnnxSeq2Seq:
         self.providers = self.encoder.get_providers()
         layers = (len(self.decoder.get_inputs()) - len(STEP_INPUTS)) // len(PER_LAYER_INPUTS)
         self._step_inputs = step_input_names(layers)
+        _, heads, _, head_dim = self.decoder.get_inputs()[len(STEP_INPUTS)].shape  # cache_keys_0 (B, H, C, K)
+        self.cache_shape = (layers, int(heads), int(head_dim))  # the decoder's cache: layers, heads, a head's size
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ck, cv = self.encoder.run(
@@ -105,10 +101,10 @@ class OnnxSeq2Seq:
         )
         return ck, cv
 
-    def step(self, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def step(self, *arrays: Layers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         lp, k, v, att = self.decoder.run(list(STEP_OUTPUTS), self.step_feeds(*arrays))
         return lp, k, v, att
 
-    def step_feeds(self, *arrays: np.ndarray) -> dict[str, np.ndarray]:
+    def step_feeds(self, *arrays: Layers) -> dict[str, np.ndarray]:
         """`StepModel.step`'s arguments as the decoder graph's feeds."""
         return dict(zip(self._step_inputs, step_arrays(*arrays), strict=True))

@@ -16,7 +16,7 @@ from export.evaluate import evaluate, evaluate_repository
 from export.onnx_export import write_repository
 from export.storage import MIN_ELEMENTS, round_weights_fp16
 from export.train import TrainConfig, train
-from service.seq2seq.generation import greedy_decode
+from service.decoding.words import greedy_decode
 from service.seq2seq.graphs import OnnxSeq2Seq
 from tests.conftest import start_server
 
@@ -95,7 +95,8 @@ def test_export_parity_and_same_figures_from_both_runtimes(tiny_checkpoint: Path
 
 def test_beam_search_is_at_least_as_likely_as_greedy(tiny_checkpoint: Path) -> None:
     from export.checkpoint import TorchStepModel
-    from service.seq2seq.generation import beam_search, greedy_decode
+    from service.decoding.words import greedy_decode
+    from service.seq2seq.generation import beam_search
 
     loaded = load_checkpoint(tiny_checkpoint)
     model = TorchStepModel(loaded.model)

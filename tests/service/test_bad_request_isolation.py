@@ -17,13 +17,14 @@ import pytest
 import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
+from service.decoding.words import greedy_decode
 from service.models.catalog import Context, build
 from service.observability.metrics import Metrics
 from service.repository.layout import RepositoryError, load_model_config
 from service.scheduling.admission import WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
-from service.seq2seq.generation import beam_search, greedy_decode
+from service.seq2seq.generation import beam_search
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS, RunningServer

@@ -21,12 +21,14 @@ import grpc
 import pytest
 
 from service import protocol
+from service.decoding.engine import Engine
+from service.decoding.words import greedy_decode, word_engine
 from service.errors import ResourceExhausted
 from service.scheduling import continuous as scheduler
 from service.scheduling.admission import Admission, WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import BEAM, GREEDY, FairShare, GenerationScheduler, WordsRequest
-from service.seq2seq.generation import BeamSearch, DecodingBatch, beam_search, greedy_decode
+from service.seq2seq.generation import BeamSearch, beam_search
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from service.tools.client import g2p_request
@@ -185,17 +187,23 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Every decoding step the scheduler runs, in order: (class, rows)."""
     log: list[tuple[str, int]] = []
 
-    class Greedy(DecodingBatch):
-        def step(self) -> Any:
-            log.append((GREEDY, len(self)))
-            return super().step()
+    def logged_engine(*args: Any, **kwargs: Any) -> Engine:
+        engine = word_engine(*args, **kwargs)
+        step = engine.step
+
+        def logged() -> Any:
+            log.append((GREEDY, len(engine.running)))
+            return step()
+
+        engine.step = logged  # type: ignore[method-assign]
+        return engine
 
     class Beams(BeamSearch):
         def step(self) -> Any:
             log.append((BEAM, len(self)))
             return super().step()
 
-    monkeypatch.setattr(scheduler, "DecodingBatch", Greedy)
+    monkeypatch.setattr(scheduler, "word_engine", logged_engine)
     monkeypatch.setattr(scheduler, "BeamSearch", Beams)
     return log
 

@@ -18,12 +18,12 @@ import pytest
 import tritonclient.grpc as g
 from tritonclient.utils import InferenceServerException
 
-from service.errors import InvalidArgument, ResourceExhausted
-from service.models.catalog import recognised
-from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.decoding.choosing import Chooser
 from service.decoding.detokenize import Detokenizer
 from service.decoding.engine import Sequence
+from service.errors import InvalidArgument, ResourceExhausted
+from service.models.catalog import recognised
+from service.models.generation.capability import GenerationChunk, GenerationRequest, Generator
 from service.models.generation.graphs import Seq2SeqGraphs
 from service.models.generation.model import GenerationModel
 from service.repository.layout import load_model_config

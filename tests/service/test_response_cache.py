@@ -17,12 +17,13 @@ import pytest
 
 from service import protocol
 from service.callers import CALLER, Caller
+from service.decoding.words import greedy_decode
 from service.errors import DeadlineExceeded
 from service.models.g2p.model import _kept
 from service.models.g2p.runtime import G2PRuntime
 from service.models.response_cache import ENTRY_OVERHEAD, ResponseCache, deep_size, key
 from service.repository.layout import load_model_config
-from service.seq2seq.generation import Hypothesis, greedy_decode
+from service.seq2seq.generation import Hypothesis
 from service.tools.bench import scrape, variant
 from service.tools.client import g2p_outputs, g2p_request
 from service.tools.loadgen import encoder_request

@@ -9,12 +9,14 @@ import asyncio
 import itertools
 import random
 
+import numpy as np
 import pytest
 
+from service.decoding.words import WordSteps, greedy_decode, hypothesis, word, word_engine
 from service.scheduling.admission import WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
-from service.seq2seq.generation import CACHE_GROWTH, DecodingBatch, Hypothesis, beam_search, greedy_decode
+from service.seq2seq.generation import beam_search
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
 from tests.conftest import MODELS
@@ -61,30 +63,35 @@ def test_continuous_batching_gives_each_word_what_it_gets_alone(g2p_graphs: tupl
 
 
 def test_rows_leaving_and_joining_at_one_step_decode_as_alone(g2p_graphs: tuple[OnnxSeq2Seq, Vocabulary]) -> None:
-    """The batch's arrays are rebuilt once when rows leave and join together: every word still gets
-    its own phonemes and log-probability, and the cache sheds the columns only departed rows used."""
+    """Words join the running engine at random steps while others leave: the caches are restacked (the
+    rows that stepped together copied as one block, the new ones beside them) and every word still gets its
+    own phonemes and log-probability, and its own cross-attention rows."""
     model, graphemes = g2p_graphs
     words = ["the", "internationalization", "of", "a", "cat", "on", "counterrevolutionaries", "mat", "by", "it"]
     sources = [graphemes.encode(w) for w in [*words, "electroencephalograph", "far", "up", "dog", "ran"] * 3]
-    alone = [greedy_decode(model, [s], 40)[0] for s in sources]
-    rng, batch, got, merged = random.Random(0), DecodingBatch(model), {}, 0
-    i, live, finished = 0, {}, []
+    alone = [greedy_decode(model, [s], 40, with_attention=True)[0] for s in sources]
+    steps = WordSteps(model)
+    rng, engine, got, merged = random.Random(0), word_engine(steps, 64), {}, 0
+    i, live, left = 0, {}, False
     while i < len(sources) or live:
         if i < len(sources) and rng.random() < 0.5:
-            joining = [Hypothesis(s, 40, tag=j) for j, s in enumerate(sources[i : i + rng.randint(1, 4)], start=i)]
-            batch.add(joining)
-            merged += bool(finished) and len(live) > 0
-            live.update((h.tag, h) for h in joining)
+            joining = [
+                word(s, 40, with_attention=True, tag=j)
+                for j, s in enumerate(sources[i : i + rng.randint(1, 4)], start=i)
+            ]
+            engine.join(joining)
+            merged += left and len(live) > 0
+            live.update((w.tag, w) for w in joining)
             i += len(joining)
-        finished = []
+        left = False
         if live:
-            oldest = max(len(h.tokens) for h in live.values())  # the cache holds its history
-            finished = batch.step()
-            assert oldest <= batch.cache_length < oldest + CACHE_GROWTH  # and sheds slots only departed rows used
-        for h in finished:
-            got[h.tag] = live.pop(h.tag)
+            engine.step()
+        for w in [w for w in live.values() if w.finished]:
+            got[w.tag] = hypothesis(live.pop(w.tag))
+            left = True
     assert [got[j].output for j in range(len(sources))] == [h.output for h in alone]
     assert max(abs(got[j].score - h.score) for j, h in enumerate(alone)) < 1e-4
+    assert all(np.allclose(np.array(got[j].attention), np.array(h.attention), atol=1e-5) for j, h in enumerate(alone))
     assert merged > 5, "no step had rows leaving and joining together"
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from service.datatypes import InputLimits
+from service.decoding.words import greedy_decode
 from service.errors import InvalidArgument, ServingError, quote
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.g2p.lexicon import Lexicon
@@ -31,7 +32,7 @@ from service.scheduling.admission import WorkItem
 from service.scheduling.config import BatchingConfig
 from service.scheduling.continuous import GenerationScheduler, WordsRequest
 from service.scheduling.leases import InFlight
-from service.seq2seq.generation import Hypothesis, greedy_decode
+from service.seq2seq.generation import Hypothesis
 from service.seq2seq.vocab import SPECIALS
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from service.decoding.steps import CacheLayout
 from service.models.generation.masking import MASK, Unmasked, with_self_attention_mask
 from service.repository.layout import RepositoryError
 
@@ -68,18 +68,7 @@ def _masked_session(path: Path, options: ort.SessionOptions, providers: list[Any
     return ort.InferenceSession(data, sess_options=options, providers=providers), True
 
 
-@dataclass(frozen=True)
-class _Past:
-    """The past inputs of a decoder, in order, and the present outputs that give them back."""
-
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    heads: int
-    head_dim: int
-    self_attention: tuple[bool, ...]  # per input: a decoder (self-attention) cache, grown each step
-
-
-def _past(session: ort.InferenceSession, where: str, file: str) -> _Past:
+def _past(session: ort.InferenceSession, where: str, file: str) -> CacheLayout:
     names: list[str] = []
     shapes: list[Any] = []
     for i in session.get_inputs():
@@ -100,7 +89,7 @@ def _past(session: ort.InferenceSession, where: str, file: str) -> _Past:
     heads, head_dim = shapes[0][1], shapes[0][3]
     if not isinstance(heads, int) or not isinstance(head_dim, int):
         raise RepositoryError(f"{where}: {file}: past key values of shape {shapes[0]}, not (batch, heads, length, dim)")
-    return _Past(tuple(names), present, heads, head_dim, selfs)
+    return CacheLayout(tuple(names), present, heads, head_dim, selfs)
 
 
 def _require(session: ort.InferenceSession, needed: tuple[str, ...], where: str, file: str) -> set[str]:

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.datatypes import InputLimits
+from service.decoding.choosing import Chooser
+from service.decoding.detokenize import Detokenizer
+from service.decoding.engine import Engine, Message, Sequence
 from service.errors import InvalidArgument, ServingError
 from service.models.catalog import Context, Kind, ServedVersion
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.generation.capability import GenerationChunk, GenerationDefaults, GenerationRequest
-from service.decoding.choosing import Chooser
-from service.decoding.detokenize import Detokenizer
-from service.decoding.engine import Engine, Message, Sequence
 from service.models.generation.folder import read_folder, read_tokenizer, recognises
 from service.models.generation.graphs import CausalGraph, Seq2SeqGraphs, graph_files
 from service.models.generation.requests import check_request, from_parameters

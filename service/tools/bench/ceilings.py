@@ -79,8 +79,8 @@ def g2p_compute_bound(models: Path, words: list[str], n: int = 256) -> dict[str,
     """Words/s of in-process greedy decoding on one thread, a word at a time and 32 together (what
     c64 gives each of two instances): the batched / off ratio compute alone allows, before any serving
     cost. Static batches sorted by length, so an upper bound on what continuous batching gets."""
+    from service.decoding.words import greedy_decode
     from service.models.g2p.model import normalize_word
-    from service.seq2seq.generation import greedy_decode
     from service.seq2seq.graphs import GRAPHEMES_FILE, OnnxSeq2Seq
     from service.seq2seq.vocab import Vocabulary
 
