@@ -43,6 +43,7 @@ from service.decoding.choosing import Chooser
 from service.decoding.detokenize import Detokenizer
 from service.decoding.planning import Plan, plan_step, step_budget
 from service.decoding.request import FinishReason, GenerationChunk, GenerationRequest
+from service.decoding.resident import ResidentCaches
 from service.decoding.steps import DecoderOnly, EncoderDecoder, StartsFromEncoder
 from service.errors import DeadlineExceeded, Internal, ResourceExhausted, ServingError, Unavailable
 from service.priority import ComputeThreads
@@ -151,6 +152,9 @@ class Engine:
         self.encoder_decoder = isinstance(graph, EncoderDecoder)
         # A decoder that also takes the first step: new prompts decode in the step's call (g2p's graphs)
         self.starts_from_encoder = isinstance(graph, StartsFromEncoder)
+        # ... and grows caches in place: the running rows' caches stay in its buffers from step to step
+        self.room = cast(StartsFromEncoder, graph).room if self.starts_from_encoder else 0
+        self.resident: ResidentCaches | None = None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
@@ -221,6 +225,8 @@ class Engine:
         """`sequences` join the running batch at the next step, past the queue and the cache budget: for a caller
         that schedules its own requests and steps the engine itself, never starting its thread (g2p's scheduler).
         Their messages then reach their outlets during `step`, on the caller's thread."""
+        if self.room and any(s.request.num_beams > 1 for s in sequences):
+            raise ValueError(f"model '{self.name}': its decoder grows its caches in place: no beam search here")
         with self._lock:
             self.running.extend(sequences)
 
@@ -246,7 +252,8 @@ class Engine:
     @property
     def cache_bytes(self) -> int:
         """Cache held now by the running sequences."""
-        return sum(sum(a.nbytes for a in s.cache) for s in self.running)
+        held = self.resident.nbytes if self.resident is not None and self.resident.rows else 0
+        return held + sum(sum(a.nbytes for a in s.cache) for s in self.running)
 
     # --- the decoding thread ----------------------------------------------------------------------------
 
@@ -356,6 +363,7 @@ class Engine:
                 self._causal_step(running, plan)
         except Exception as e:  # onnxruntime failed: the step's sequences hear it, the others go on
             log.exception("model '%s': a decoding step failed", self.name)
+            self.resident = None  # what it held is the step's rows', which all fail
             error = Internal(f"model '{self.name}': decoding failed: {e}")
             for i in list(plan.decode) + [i for i, _ in plan.prefill]:
                 self._finish(running[i], None, error)
@@ -429,6 +437,10 @@ class Engine:
         if new and self.starts_from_encoder:  # their first step is in the decoding call, beside the others'
             self._seq2seq_encode(new)
             rows, new = rows + new, []
+        if self.room:  # every row in one call, over the caches its buffers hold
+            if rows:
+                self._resident_decode(rows)
+            return
         if graph.masked:  # rows of different lengths in one call, left-padded (far apart ones apart)
             groups = _by_length(rows)
         else:  # a pad would change the answer: rows of equal length together
@@ -499,6 +511,24 @@ class Engine:
                 s.attention.append(attention[r, : len(s.prompt)].copy())
             self._advance(s, logits[r, -1])
 
+    def _resident_decode(self, rows: list[Sequence]) -> None:
+        """One token for every row, their caches resident in the engine's buffers (resident.py)."""
+        graph = cast(EncoderDecoder, self.graph)
+        if self.resident is None:
+            self.resident = ResidentCaches(graph.past, graph.dtype, self.room)
+        resident = self.resident
+        resident.hold(rows)
+        mask, self_mask, past = resident.past()
+        group = list(resident.rows)
+        ids = np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
+        logits, _ = graph.step(ids, mask, past, self_mask)
+        resident.stepped()
+        attention = cast(StartsFromEncoder, graph).attention()
+        for r, s in enumerate(group):
+            if s.attention is not None and attention is not None:
+                s.attention.append(attention[r, : len(s.prompt)].copy())
+            self._advance(s, logits[r, -1])
+
     def _stacked(self, group: list[Sequence], lengths: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         """A group's encoder mask, self-attention mask (B, P+1) and past: caches left-padded to the longest (at
         least one position: a masked pad before a first step), the encoder's right-padded. Rows that decoded
@@ -515,7 +545,9 @@ class Engine:
             if s.slot is not None and s.slot[0] in self._groups:
                 blocks.setdefault(s.slot[0], []).append((r, s.slot[1]))
         h, d = graph.past.heads, graph.past.head_dim
-        past = [np.zeros((b, h, p if o else width, d), dtype=graph.dtype) for o in own]
+        room = cast(StartsFromEncoder, graph).room if self.starts_from_encoder else 0
+        past = [np.zeros((b, h, p + room, d), dtype=graph.dtype)[:, :, :p] if o else
+                np.zeros((b, h, width, d), dtype=graph.dtype) for o in own]  # fmt: skip
         copied: set[int] = set()
         for last, pairs in blocks.items():
             if len(pairs) < 2:

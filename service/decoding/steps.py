@@ -72,6 +72,12 @@ class EncoderDecoder(Protocol):
 
 @runtime_checkable
 class StartsFromEncoder(Protocol):
+    @property
+    def room(self) -> int:
+        """Positions a self-attention past array is given past those it holds (a view of the leading ones is
+        passed): the decoder writes the step's keys and values there, in place, and gives views back."""
+        ...
+
     def first_cache(self, hidden: Any) -> list[np.ndarray]:
         """A cache for the encoded rows, before their first step: the self-attention arrays empty
         (B, H, 0, D), the cross-attention ones from the encoder's output (B, H, S, D)."""

@@ -32,6 +32,7 @@ __all__ = ["BOS", "EOS", "Outcome", "WordSteps", "error_of", "greedy_decode", "h
 
 BOS, EOS = 1, 2  # g2p's <s> and </s> (service.seq2seq.vocab's specials)
 _PER_LAYER = ("cache_keys", "cache_values", "cross_keys", "cross_values")  # the decoder's inputs, each layer
+ROOM = 8  # positions a word's cache grows by in place: the step's keys are written there, a copy every 8 steps
 _GREEDY = Chooser(False, 1.0, 0, 1.0, 1.0, None)  # holds no state when it does not sample: shared
 
 
@@ -40,6 +41,7 @@ class WordSteps:
 
     masked = True  # the decoder takes a cache mask: rows of different lengths run in one call
     dtype = np.float32
+    room = ROOM  # past arrays may be the leading positions of buffers with room: the step grows them in place
 
     def __init__(self, model: StepModel) -> None:
         self.model = model
@@ -82,23 +84,45 @@ class WordSteps:
              self_mask: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
         """ids (B, 1), the graphemes' mask (B, S), past in `self.past`'s order, the cache's mask and the new
         token's (B, P+1) -> log-probs (B, 1, V), present (each layer's cache grown by the step's keys)."""
-        p = past[0].shape[2]
-        cache_mask = self_mask[:, :p] if self_mask is not None else np.ones((len(ids), p), dtype=np.int64)
+        b, p = len(ids), past[0].shape[2]
+        grown = [past[j] for j, own in enumerate(self.past.self_attention) if own]
+        held = [_room_of(a) for a in grown]
+        full = [f for f in held if f is not None]
+        capacity = full[0].shape[2] if len(full) == len(grown) else 0
+        if any(f.shape[2] != capacity for f in full) or not capacity:  # the engine stacked them anew: one copy
+            capacity = p + 1 + ROOM
+            full = [np.zeros((*a.shape[:2], capacity, a.shape[3]), dtype=a.dtype) for a in grown]
+            for f, a in zip(full, grown, strict=True):
+                f[:, :, :p] = a
+        cache_mask = np.zeros((b, capacity), dtype=np.int64)  # the slots past p: room, masked
+        cache_mask[:, :p] = self_mask[:, :p] if self_mask is not None else 1
         positions = cache_mask.sum(axis=1)  # the new token's: the real slots before it
-        layer = [past[j::4] for j in range(4)]  # cache_keys, cache_values, cross_keys, cross_values, per layer
+        cross = [past[j::4] for j in (2, 3)]  # cross_keys, cross_values, per layer
         log_probs, new_keys, new_values, attention = self.model.step(
-            ids[:, 0], positions, layer[0], layer[1], cache_mask, layer[2], layer[3], mask
+            ids[:, 0], positions, full[0::2], full[1::2], cache_mask, cross[0], cross[1], mask
         )
         self._attention = attention
         present: list[np.ndarray] = []
         for i in range(self.layers):
-            keys = np.concatenate([layer[0][i], new_keys[i][:, :, None]], axis=2)
-            values = np.concatenate([layer[1][i], new_values[i][:, :, None]], axis=2)
-            present += [keys, values, layer[2][i], layer[3][i]]
+            keys, values = full[2 * i], full[2 * i + 1]
+            keys[:, :, p], values[:, :, p] = new_keys[i], new_values[i]  # in place: the next step reads them there
+            present += [keys[:, :, : p + 1], values[:, :, : p + 1], cross[0][i], cross[1][i]]
         return log_probs[:, None], present
 
     def attention(self) -> np.ndarray | None:
         return self._attention
+
+
+def _room_of(a: np.ndarray) -> np.ndarray | None:
+    """The buffer whose leading positions `a` (B, H, P, K) is, when it is one with room past them: a cache
+    this adapter grew in place at the last step (or the engine stacked with room), which the step takes as
+    it is, its room masked."""
+    f = a.base
+    if (isinstance(f, np.ndarray) and f.ndim == 4 and f.shape[0] >= a.shape[0] and f.shape[1] == a.shape[1]
+            and f.shape[2] > a.shape[2] and f.shape[3] == a.shape[3] and f.flags.c_contiguous and a.strides == f.strides
+            and a.__array_interface__["data"][0] == f.__array_interface__["data"][0]):  # fmt: skip
+        return f[: a.shape[0]]  # its first rows: contiguous
+    return None
 
 
 @dataclass(eq=False)
