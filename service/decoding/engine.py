@@ -154,7 +154,7 @@ class Engine:
         self.starts_from_encoder = isinstance(graph, StartsFromEncoder)
         # ... and grows caches in place: the running rows' caches stay in its buffers from step to step
         self.room = cast(StartsFromEncoder, graph).room if self.starts_from_encoder else 0
-        self.resident: ResidentCaches | None = None
+        self.resident: ResidentCaches[Sequence] | None = None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.reserved = 0  # cache bytes reserved by the running sequences
@@ -515,7 +515,7 @@ class Engine:
         """One token for every row, their caches resident in the engine's buffers (resident.py)."""
         graph = cast(EncoderDecoder, self.graph)
         if self.resident is None:
-            self.resident = ResidentCaches(graph.past, graph.dtype, self.room)
+            self.resident = ResidentCaches[Sequence](graph.past, graph.dtype, self.room)
         resident = self.resident
         resident.hold(rows)
         mask, self_mask, past = resident.past()

@@ -17,26 +17,37 @@ A row's cache is its last `length` positions before T; the positions before them
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Rows
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from service.decoding.steps import CacheLayout
 
-if TYPE_CHECKING:
-    from service.decoding.engine import Sequence
-
-__all__ = ["ResidentCaches"]
+__all__ = ["Held", "ResidentCaches"]
 
 
-class ResidentCaches:
+class Held(Protocol):
+    """What a row is to the buffers: the engine's sequence, its prompt and its cache until it joins."""
+
+    cache: list[np.ndarray]
+
+    @property
+    def prompt(self) -> tuple[int, ...]: ...
+    @property
+    def length(self) -> int: ...
+
+
+R = TypeVar("R", bound=Held)
+
+
+class ResidentCaches(Generic[R]):
     """The caches of the rows a decoding call runs, kept in buffers across steps."""
 
     def __init__(self, layout: CacheLayout, dtype: type[np.floating[Any]], room: int) -> None:
         self.own, self.heads, self.head_dim = layout.self_attention, layout.heads, layout.head_dim
         self.dtype, self.room = dtype, max(1, room)
-        self.rows: list[Sequence] = []
+        self.rows: list[R] = []
         self.lengths: list[int] = []  # each row's cache positions, the last ones before T
         self.arrays: list[np.ndarray] = []  # one a past input: a buffer (self-attention) or fixed (cross)
         self.mask = np.zeros((0, 0), dtype=np.int64)  # (R, W): 1 where a prompt token is real
@@ -50,7 +61,7 @@ class ResidentCaches:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
-    def hold(self, rows: Rows[Sequence]) -> None:
+    def hold(self, rows: Sequence[R]) -> None:
         """Before a step: the buffers hold exactly `rows` (those no longer there leave, the new ones join with
         their caches so far, which they then stop holding), with a free position for the step."""
         wanted = {id(s) for s in rows}
@@ -88,7 +99,7 @@ class ResidentCaches:
         if not self.rows:
             self.t = 0
 
-    def _join(self, new: list[Sequence]) -> None:
+    def _join(self, new: list[R]) -> None:
         n, k = len(self.rows), len(new)
         lengths = [s.length for s in new]
         t = max(self.t, *lengths)  # a joiner's cache ends at T, as every row's does

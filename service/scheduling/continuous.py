@@ -231,7 +231,8 @@ class GenerationScheduler:
             self._pop(item)
             item.started = now
             self.observer.waited(now - item.arrived)
-            joined += _words(item)
+            joined += [word(src, req.max_output_length, req.with_attention, tag=(item, j))
+                       for j, src in enumerate(req.sources)]  # fmt: skip
             rows += n
             if not c.enabled:
                 break
@@ -363,8 +364,8 @@ class GenerationScheduler:
                 joining = tracer.open_batch(self.name, [h.tag[0] for h in new], instance, kind)
             batch.join(new)
             stepping = list(batch.running)
-            rows, real = len(stepping), sum(len(w.prompt) for w in stepping)
-            padded = rows * max(len(w.prompt) for w in stepping)
+            lengths = [len(w.prompt) for w in stepping]
+            rows, real, padded = len(stepping), sum(lengths), len(stepping) * max(lengths)
             batch.step()
             failed = next((e for w in stepping if (e := error_of(w)) is not None), None)
             if failed is not None:  # the batch's requests decoded again one at a time: only the one at fault fails
@@ -395,18 +396,17 @@ class GenerationScheduler:
             self.observer.computation_failed("batch")
         for item in items:
             req: WordsRequest = item.payload
-            req.results, req.remaining = [None] * len(req.sources), len(req.sources)
+            n = req.remaining = len(req.sources)
+            req.results = [None] * n
             try:
-                finished = greedy_decode(
-                    model, req.sources, req.max_output_length, len(req.sources), req.with_attention
-                )
-                for j, h in enumerate(finished):
-                    h.tag = (item, j)
+                finished = greedy_decode(model, req.sources, req.max_output_length, n, req.with_attention)
             except Exception as e:
                 self.observer.computation_failed("request")
                 log.error("model '%s': a request's words failed to decode alone: %s", self.name, e)
                 self._resolve(item, error=Internal(f"model '{self.name}' failed on this request's words: {e}"))
                 continue
+            for j, h in enumerate(finished):
+                h.tag = (item, j)
             self._finish(finished)
 
     def _full(self, rows: int) -> bool:
@@ -502,9 +502,3 @@ class GenerationScheduler:
             self._lock.notify_all()
         for t in self._threads:
             await asyncio.get_running_loop().run_in_executor(None, t.join)
-
-
-def _words(item: WorkItem) -> list[Word]:
-    """A request's words, to join the running batch: each tagged with its request and its index there."""
-    req: WordsRequest = item.payload
-    return [word(src, req.max_output_length, req.with_attention, tag=(item, j)) for j, src in enumerate(req.sources)]
