@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from service.decoding.engine import Engine
 from service.decoding.engine import Sequence as Word
@@ -27,12 +27,13 @@ from service.errors import Internal, ServingError, Unavailable
 from service.priority import ComputeThreads
 from service.scheduling.admission import Admission, BatchObserver, NullObserver, WorkItem, why_gone
 from service.scheduling.config import BatchingConfig
+from service.scheduling.fair_share import BEAM, GREEDY, FairShare, Work
 from service.seq2seq.generation import BeamSearch, Hypothesis, StepModel, beam_search
 
 if TYPE_CHECKING:  # only a tracing server imports it (and opentelemetry)
     from service.observability.tracing import BatchSpan, Tracing
 
-__all__ = ["BEAM", "GREEDY", "FairShare", "GenerationScheduler", "WordsRequest"]
+__all__ = ["GenerationScheduler", "WordsRequest"]
 
 log = logging.getLogger("qkv.scheduler")
 
@@ -49,46 +50,9 @@ class WordsRequest:
     remaining: int = 0
 
 
-Work = Literal["greedy", "beam"]
-GREEDY: Work = "greedy"
-BEAM: Work = "beam"
-
-
 def kind_of(item: WorkItem) -> Work:
     """The class a g2p request queues and decodes in."""
     return BEAM if item.payload.beam_size > 1 else GREEDY
-
-
-class FairShare:
-    """Which class of work an instance steps next: greedy or beam, weighted-fair by cost.
-
-    A step's cost is its rows (a beam search's: words still searching x beams), about the compute it
-    takes. While both classes have work, the one served less cost goes next, a tie to greedy (its
-    steps are the short ones). Only steps taken while both had work are counted, and the count
-    restarts whenever one has none: a class banks no credit while the other runs alone. So neither
-    is ever more than one step's cost ahead of the other: between two of its steps, a greedy batch
-    waits for at most (largest greedy step + largest beam step) of beam cost, and a beam search as
-    much of greedy cost.
-    """
-
-    __slots__ = ("contended", "lead")
-
-    def __init__(self) -> None:
-        self.lead = 0  # cost served to beam work minus cost served to greedy work, while both had work
-        self.contended = False  # whether both had work at the last choice
-
-    def choose(self, greedy: bool, beam: bool) -> Work | None:
-        """The class to step next, given whether each has work now; None when neither has."""
-        self.contended = greedy and beam
-        if not self.contended:
-            self.lead = 0
-            return GREEDY if greedy else BEAM if beam else None
-        return GREEDY if self.lead >= 0 else BEAM
-
-    def charge(self, work: Work, cost: int) -> None:
-        """A step of `work` of `cost` rows ran (the one chosen last)."""
-        if self.contended:
-            self.lead += cost if work == BEAM else -cost
 
 
 @dataclass(eq=False)

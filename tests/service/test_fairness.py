@@ -27,7 +27,8 @@ from service.errors import ResourceExhausted
 from service.scheduling import continuous as scheduler
 from service.scheduling.admission import Admission, WorkItem
 from service.scheduling.config import BatchingConfig
-from service.scheduling.continuous import BEAM, GREEDY, FairShare, GenerationScheduler, WordsRequest
+from service.scheduling.continuous import GenerationScheduler, WordsRequest
+from service.scheduling.fair_share import BEAM, GREEDY, FairShare
 from service.seq2seq.generation import BeamSearch, beam_search
 from service.seq2seq.graphs import OnnxSeq2Seq, session_options
 from service.seq2seq.vocab import Vocabulary
