@@ -86,7 +86,7 @@ class _Worker:
 
 
 MAX_UNIX_PATH = 107  # AF_UNIX's sun_path: 108 bytes, the terminating NUL aside
-SOCKET_NAME_ROOM = 24  # the longest control socket's name under the directory ("statistics-255.sock") and a slash
+SOCKET_NAME_ROOM = 24  # a control socket's name under the directory ("worker-255.sock") and a slash, with room
 
 
 def control_directory() -> Path:

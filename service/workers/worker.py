@@ -32,7 +32,7 @@ from service.serving.memory import one_malloc_arena
 from service.workers import channel
 from service.workers.identity import WorkerIdentity
 from service.workers.routing import WorkerLink, WorkerPlane, WorkerRegions
-from service.workers.statistics import StatisticsServer
+from service.workers.statistics import counts
 
 __all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "socket_path"]
 
@@ -77,6 +77,8 @@ async def _control(server: Server, plane: WorkerPlane, message: tuple[Any, ...])
         return getattr(server.shared_memory, name)(*values) if name in ("register", "unregister") else None
     if operation == "infer":
         return await plane.apply_infer(*args)
+    if operation == "statistics":
+        return counts(plane.own_statistics(*args))
     raise ValueError(f"unknown control request {operation!r}")
 
 
@@ -88,7 +90,6 @@ async def _work(spec: WorkerSpec) -> int:
         spec.count,
         channel.Peer(socket_path(spec.directory, None), "the supervisor"),
         [channel.Peer(socket_path(spec.directory, i), f"worker {i}") for i in range(spec.count)],
-        [spec.directory / f"statistics-{i}.sock" for i in range(spec.count)],
     )
     assert isinstance(server.plane, WorkerPlane) and isinstance(server.shared_memory, WorkerRegions)
     server.plane.link = server.shared_memory.link = link
@@ -109,7 +110,6 @@ async def _work(spec: WorkerSpec) -> int:
     path = socket_path(spec.directory, spec.index)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # the last one's, when this worker replaces one that died
-    statistics = StatisticsServer(link.statistics[spec.index], server.plane.own_statistics)
     control = await channel.serve(path, lambda message: _control(server, server.plane, message))  # type: ignore[arg-type]
     gc.collect()
     gc.freeze()  # as a single server does (service/server.py)
@@ -117,7 +117,6 @@ async def _work(spec: WorkerSpec) -> int:
     await stop.wait()
     await server.drain()
     control.close()
-    statistics.close()
     for peer in [link.supervisor, *link.workers]:
         peer.close()
     return 0

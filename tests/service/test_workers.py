@@ -198,6 +198,31 @@ def test_metrics_and_statistics_sum_over_the_workers(served: RunningServer) -> N
         c.close()
 
 
+def test_a_worker_asking_a_stopped_one_for_statistics_goes_on_serving(served: RunningServer) -> None:
+    """Worker 1 stopped (SIGSTOP): worker 0's statistics call waits for it, up to its timeout, and leaves it out;
+    an inference on worker 0 sent while that call waits is answered first, and counted in its answer."""
+    asking, serving, stopped, *rest = _connections(served.url, each=2)
+    _scale(stopped.client)  # worker 1 has counts of its own
+    before = _successes(asking.client)
+    os.kill(stopped.worker[1], signal.SIGSTOP)
+    try:
+        alone = _successes(asking.client)  # worker 0's own: worker 1 does not answer
+        answered: list[tuple[str, int]] = []
+        waiting = threading.Thread(target=lambda: answered.append(("statistics", _successes(asking.client))))
+        waiting.start()
+        time.sleep(0.5)  # (the call reaches worker 0 and waits on worker 1)
+        _scale(serving.client)
+        answered.append(("infer", 1))
+        waiting.join(30)
+    finally:
+        os.kill(stopped.worker[1], signal.SIGCONT)
+    assert alone < before
+    assert answered == [("infer", 1), ("statistics", alone + 1)]
+    assert _successes(stopped.client) == _successes(asking.client) == before + 1  # both workers answer again
+    for c in (asking, serving, stopped, *rest):
+        c.close()
+
+
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
     loader = Connection(served.url)
     loader.client.load_model("scale_later")  # loaded since the start: a restarted worker must load it too
@@ -366,7 +391,7 @@ def test_the_control_sockets_go_under_tmp_where_tmpdir_is_too_deep_for_a_socket(
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     directory = control_directory()
     try:
-        assert directory.parent == Path("/tmp") and len(str(directory / "statistics-255.sock")) <= MAX_UNIX_PATH
+        assert directory.parent == Path("/tmp") and len(str(directory / "worker-255.sock")) <= MAX_UNIX_PATH
         assert directory.stat().st_mode & 0o777 == 0o700 and not list(deep.iterdir())
     finally:
         directory.rmdir()
