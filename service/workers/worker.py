@@ -1,9 +1,10 @@
 """One worker process of `qkv serve --workers N`: a whole server (service/server.py) on the shared ports, its
 control channel's end, and what the supervisor asks of it there.
 
-Started by the supervisor as `python -m service.workers.worker`, its `WorkerSpec` pickled in the environment
-(QKV_WORKER_SPEC). It pins itself to its share of the cores before any thread starts (service/workers/plan.py),
-so that onnxruntime's sessions, created here and never forked, size themselves to that share.
+Forked by the supervisor at the server's start (service/workers/fork.py), or started as `python -m
+service.workers.worker`, its `WorkerSpec` pickled in the environment (QKV_WORKER_SPEC). It pins itself to its
+share of the cores before any thread starts (service/workers/plan.py), so that onnxruntime's sessions, created
+here and never forked, size themselves to that share.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from service.workers.identity import WorkerIdentity
 from service.workers.routing import WorkerLink, WorkerPlane, WorkerRegions
 from service.workers.statistics import counts
 
-__all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "socket_path"]
+__all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "run", "socket_path"]
 
 SPEC_VARIABLE = "QKV_WORKER_SPEC"
 PR_SET_PDEATHSIG = 1
@@ -130,8 +131,8 @@ def _exit_with_supervisor(supervisor: int) -> bool:
     return not supervisor or os.getppid() == supervisor
 
 
-def main() -> int:
-    spec: WorkerSpec = pickle.loads(base64.b64decode(os.environ.pop(SPEC_VARIABLE)))
+def run(spec: WorkerSpec) -> int:
+    """The worker's life, from its start (spawned, or forked by the supervisor) to its exit status."""
     if not _exit_with_supervisor(spec.supervisor):
         return 0
     if spec.cores and hasattr(os, "sched_setaffinity"):
@@ -144,6 +145,11 @@ def main() -> int:
     except (RepositoryError, ConfigError) as e:
         print(f"qkv serve: worker {spec.index}: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+
+
+def main() -> int:
+    """A spawned worker (`python -m service.workers.worker`): its spec is in the environment."""
+    return run(pickle.loads(base64.b64decode(os.environ.pop(SPEC_VARIABLE))))
 
 
 if __name__ == "__main__":

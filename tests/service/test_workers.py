@@ -223,11 +223,16 @@ def test_a_worker_asking_a_stopped_one_for_statistics_goes_on_serving(served: Ru
         c.close()
 
 
+def _command(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
+
+
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
     loader = Connection(served.url)
     loader.client.load_model("scale_later")  # loaded since the start: a restarted worker must load it too
     loader.close()
     victim_index, victim = _connections(served.url)[0].worker
+    assert _command(victim) == _command(served.process.pid)  # forked at the start, from the supervisor
     failures: list[str] = []
     answered = [0]
     lost: list[str] = []
@@ -275,6 +280,7 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(serve
     assert not lost and answered[0] > 0
     assert set(failures) <= {"StatusCode.UNAVAILABLE"}, failures
     # The restarted worker has what was loaded since the start (replayed): scale_later, loaded above.
+    assert _command(restarted.worker[1])[-2:] == ["-m", "service.workers.worker"]  # spawned: a restart
     assert restarted.client.is_model_ready("scale")
     assert restarted.client.is_model_ready("scale_later")
     restarted.client.unload_model("scale_later")  # as the other tests find it
