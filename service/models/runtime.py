@@ -52,6 +52,11 @@ class TensorSpec:
     axes: tuple[str | None, ...]
 
 
+# onnxruntime's CPU memory arena, in the sessions this process makes: on, unless a worker of `--workers N`
+# (service/workers/worker.py) turns it off; a model's Triton parameter enable_mem_arena decides for its own.
+CPU_MEM_ARENA = True
+
+
 def _specs(args: list[ort.NodeArg]) -> list[TensorSpec]:
     out = []
     for a in args:
@@ -80,6 +85,7 @@ def triton_providers(config: ModelConfig, options: ort.SessionOptions, providers
     enable_mem_arena, enable_mem_pattern) set on `options`, and the providers to use: an execution
     accelerator's first, CUDA for instance_group KIND_GPU (the repository refused both where missing)."""
     session = config.session
+    options.enable_cpu_mem_arena = CPU_MEM_ARENA
     if "execution_mode" in session:
         options.execution_mode = (
             ort.ExecutionMode.ORT_PARALLEL if session["execution_mode"] else ort.ExecutionMode.ORT_SEQUENTIAL

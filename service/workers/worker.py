@@ -25,11 +25,12 @@ from typing import Any
 
 from service.config import ServerSettings
 from service.errors import ConfigError, ServingError
+from service.models import runtime
 from service.observability import logs
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
 from service.server import SWITCH_INTERVAL_S, Server
-from service.serving.memory import one_malloc_arena
+from service.serving.memory import one_malloc_arena, return_freed_memory
 from service.workers import channel
 from service.workers.identity import WorkerIdentity
 from service.workers.routing import WorkerLink, WorkerPlane, WorkerRegions
@@ -114,6 +115,7 @@ async def _work(spec: WorkerSpec) -> int:
     control = await channel.serve(path, lambda message: _control(server, server.plane, message))  # type: ignore[arg-type]
     gc.collect()
     gc.freeze()  # as a single server does (service/server.py)
+    return_freed_memory()  # what building and warming up the sessions freed
     log.info("worker %d (pid %d) serving", spec.index, os.getpid())
     await stop.wait()
     await server.drain()
@@ -138,6 +140,7 @@ def run(spec: WorkerSpec) -> int:
     if spec.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)  # before any thread: every thread started here inherits it
     one_malloc_arena()
+    runtime.CPU_MEM_ARENA = spec.settings.worker_cpu_arena  # before any session (--no-worker-cpu-arena)
     logs.configure(spec.settings.log_level, spec.settings.access_log)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
