@@ -8,6 +8,8 @@ record, restarts a worker that dies, and drains them all on SIGTERM.
   control channel (service/workers/channel.py); a load or unload is applied on every worker, a region's change
   on every other, and answered once all have (the first error names its worker). What was changed is kept,
   and replayed to a worker that replaces one that died.
+- Start: the workers are forked at the start, before any thread or event loop, so that what they import is
+  shared (fork.py); a worker started again is spawned.
 - Metrics: the metrics port is the supervisor's: every worker's metrics, combined (metrics_view.py).
 - A worker that dies is started again (after RESTART_DELAY_S, doubling up to RESTART_DELAY_MAX_S while it keeps
   dying within its first minute); the requests it had in flight fail on their connections (UNAVAILABLE), the
