@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -418,3 +419,16 @@ def test_a_worker_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
     answer = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert answer.returncode == 2, answer.stderr
     assert "unknown setting(s) ['typo']" in answer.stderr and "serving" not in answer.stdout
+
+
+def test_no_worker_cpu_arena_turns_the_arena_off_where_a_model_does_not_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime as ort
+
+    from service.models import runtime
+
+    monkeypatch.setattr(runtime, "CPU_MEM_ARENA", False)  # what a worker of --no-worker-cpu-arena sets
+    for session, arena in (({}, False), ({"enable_mem_arena": True}, True)):
+        options = ort.SessionOptions()
+        config: Any = SimpleNamespace(session=session, device="cpu", accelerators=())
+        assert runtime.triton_providers(config, options, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+        assert options.enable_cpu_mem_arena is arena
