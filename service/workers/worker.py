@@ -140,7 +140,7 @@ def run(spec: WorkerSpec) -> int:
     if spec.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)  # before any thread: every thread started here inherits it
     one_malloc_arena()
-    runtime.CPU_MEM_ARENA = spec.settings.worker_cpu_arena  # before any session (--no-worker-cpu-arena)
+    runtime.use_cpu_arena(spec.settings.worker_cpu_arena)  # before any session
     logs.configure(spec.settings.log_level, spec.settings.access_log)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:

@@ -421,14 +421,35 @@ def test_a_worker_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
     assert "unknown setting(s) ['typo']" in answer.stderr and "serving" not in answer.stdout
 
 
-def test_no_worker_cpu_arena_turns_the_arena_off_where_a_model_does_not_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+def _config_entry(options: Any, key: str) -> str:
+    try:
+        return str(options.get_session_config_entry(key))
+    except RuntimeError:  # not set
+        return ""
+
+
+def test_the_worker_cpu_arena_choice_reaches_every_session_a_model_does_not_decide_for() -> None:
     import onnxruntime as ort
 
     from service.models import runtime
 
-    monkeypatch.setattr(runtime, "CPU_MEM_ARENA", False)  # what a worker of --no-worker-cpu-arena sets
-    for session, arena in (({}, False), ({"enable_mem_arena": True}, True)):
-        options = ort.SessionOptions()
-        config: Any = SimpleNamespace(session=session, device="cpu", accelerators=())
-        assert runtime.triton_providers(config, options, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-        assert options.enable_cpu_mem_arena is arena
+    made: list[tuple[str, dict[str, bool], bool, str]] = []
+    try:
+        for arena in ("off", "shared", "session"):  # what a worker of --worker-cpu-arena sets
+            runtime.use_cpu_arena(arena)
+            for session in ({}, {"enable_mem_arena": True}):
+                options = ort.SessionOptions()
+                config: Any = SimpleNamespace(session=session, device="cpu", accelerators=())
+                assert runtime.triton_providers(config, options, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+                shared = _config_entry(options, "session.use_env_allocators")
+                made.append((arena, session, options.enable_cpu_mem_arena, shared))
+    finally:
+        runtime.use_cpu_arena("session")
+    assert made == [
+        ("off", {}, False, ""),
+        ("off", {"enable_mem_arena": True}, True, ""),
+        ("shared", {}, True, "1"),
+        ("shared", {"enable_mem_arena": True}, True, ""),
+        ("session", {}, True, ""),
+        ("session", {"enable_mem_arena": True}, True, ""),
+    ]
