@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from service import protocol
 from service.errors import ConfigError
+from service.workers.fork import single_threaded
 from service.workers.identity import HEADER
 from service.workers.metrics_view import combine
 from service.workers.plan import WORKER_BYTES, cores_of, cpu_budget, pinned, usable_cores, worker_count
@@ -453,3 +454,14 @@ def test_the_worker_cpu_arena_choice_reaches_every_session_a_model_does_not_deci
         ("session", {}, True, ""),
         ("session", {"enable_mem_arena": True}, True, ""),
     ]
+
+
+def test_the_supervisor_forks_only_while_no_thread_of_its_own_runs() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert not single_threaded()  # a thread runs: the workers are spawned
+    finally:
+        release.set()
+        thread.join()
