@@ -52,7 +52,6 @@ class TensorSpec:
     axes: tuple[str | None, ...]
 
 
-CPU_ARENAS = ("session", "shared", "off")
 _cpu_arena = "session"
 _shared_arena = False  # registered with onnxruntime
 
