@@ -76,6 +76,12 @@ class ServerSettings:
         "worker processes serving behind the same ports: a number, or auto (one per two cores, within the memory "
         'available); docs/operations.md, "Worker processes"',
     )
+    worker_cpu_arena: str = _setting(
+        "shared",
+        "with --workers N, onnxruntime's CPU memory arena in a worker: shared by its sessions, each session's own "
+        '(session), or off; docs/operations.md, "Worker processes"',
+        choices=("shared", "session", "off"),
+    )
     grace_period: float = _setting(10.0, "seconds in-flight requests get to finish after SIGTERM")
     max_connection_age: float = _setting(0.0, "seconds before a connection is asked to reconnect (0: never)")
     max_message_bytes: int = _setting(

@@ -322,7 +322,7 @@ class InferenceService:
     async def ModelStatistics(
         self, request: protocol.ModelStatisticsRequest, context: Context
     ) -> protocol.ModelStatisticsResponse:
-        chosen = await _answered(context, partial(self.plane.statistics, request.name, request.version))
+        chosen = await _awaited(context, self.plane.summed_statistics(request.name, request.version))
         caller = self.tokens.caller_of(context.invocation_metadata()) if self.tokens.isolate else None
         return statistics_message(chosen, self.plane.cache, caller)
 

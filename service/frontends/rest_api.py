@@ -373,7 +373,8 @@ class RestServer:
         return _json(message_json(answer.config))  # Triton answers the config itself, unwrapped
 
     async def _stats(self, request: web.BaseRequest, model: str, version: str) -> web.Response:
-        answer = statistics_message(self.plane.statistics(model, version), self.plane.cache, self._caller(request))
+        chosen = await self.plane.summed_statistics(model, version)
+        answer = statistics_message(chosen, self.plane.cache, self._caller(request))
         return _json(message_json(answer))
 
     async def _load(self, request: web.BaseRequest, model: str, version: str) -> web.Response:

@@ -52,6 +52,23 @@ class TensorSpec:
     axes: tuple[str | None, ...]
 
 
+_cpu_arena = "session"
+_shared_arena = False  # registered with onnxruntime
+
+
+def use_cpu_arena(arena: str) -> None:
+    """onnxruntime's CPU memory arena in the sessions this process makes from now on (a model's Triton parameter
+    enable_mem_arena decides for its own): each session's own ("session"), one for them all ("shared":
+    onnxruntime's environment allocator, registered here), or none ("off"). A worker of `--workers N` takes
+    --worker-cpu-arena (service/workers/worker.py); one server process keeps "session"."""
+    global _cpu_arena, _shared_arena
+    if arena == "shared" and not _shared_arena:
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, -1, -1, -1))  # onnxruntime's defaults
+        _shared_arena = True
+    _cpu_arena = arena
+
+
 def _specs(args: list[ort.NodeArg]) -> list[TensorSpec]:
     out = []
     for a in args:
@@ -80,6 +97,10 @@ def triton_providers(config: ModelConfig, options: ort.SessionOptions, providers
     enable_mem_arena, enable_mem_pattern) set on `options`, and the providers to use: an execution
     accelerator's first, CUDA for instance_group KIND_GPU (the repository refused both where missing)."""
     session = config.session
+    if "enable_mem_arena" not in session:  # (use_cpu_arena)
+        options.enable_cpu_mem_arena = _cpu_arena != "off"
+        if _cpu_arena == "shared":
+            options.add_session_config_entry("session.use_env_allocators", "1")
     if "execution_mode" in session:
         options.execution_mode = (
             ort.ExecutionMode.ORT_PARALLEL if session["execution_mode"] else ort.ExecutionMode.ORT_SEQUENTIAL

@@ -154,6 +154,11 @@ class DataPlane:
             return self.versions(name)
         return self.registry.served()
 
+    async def summed_statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
+        """What the statistics extension answers: `statistics`, summed over every process that serves (this one
+        alone here; a worker's peers too, service/workers/routing.py)."""
+        return self.statistics(name, version)
+
     def in_repository(self, name: str) -> bool:
         """Whether `name` is a model of the repository (a metric may carry it as a label)."""
         return name in self.registry.models

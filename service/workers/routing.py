@@ -10,10 +10,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 from service.errors import ServingError, Unavailable, quote
@@ -23,7 +23,7 @@ from service.models.common import ModelStats
 from service.serving.dataplane import DataPlane
 from service.serving.dataplane_types import InferInput, InferRequest, InferResponse, Parameter, RequestedOutput
 from service.workers.channel import ChannelError, Peer
-from service.workers.statistics import asked, summed
+from service.workers.statistics import PEER_TIMEOUT_S, Counts, summed
 
 __all__ = ["WorkerLink", "WorkerPlane", "WorkerRegions", "owner"]
 
@@ -41,7 +41,6 @@ class WorkerLink:
     count: int
     supervisor: Peer
     workers: list[Peer] = field(default_factory=list)
-    statistics: list[Path] = field(default_factory=list)  # each worker's statistics socket
 
     async def everywhere(self, message: tuple[Any, ...]) -> Any:
         """`message` applied by the supervisor on every worker; Unavailable when the supervisor is gone."""
@@ -49,6 +48,14 @@ class WorkerLink:
             return await self.supervisor.call(message)
         except ChannelError as e:
             raise Unavailable(f"worker {self.index}: the supervisor is not answering ({e})") from None
+
+    async def counts(self, worker: int, name: str, version: str) -> Counts:
+        """Worker `worker`'s own counts of `name` (every model: ""); none when it does not answer in time."""
+        try:
+            answer: Counts = await self.workers[worker].call(("statistics", name, version), PEER_TIMEOUT_S)
+        except (ChannelError, ServingError):
+            return []
+        return answer
 
 
 class WorkerPlane(DataPlane):
@@ -75,13 +82,15 @@ class WorkerPlane(DataPlane):
     async def apply_unload(self, name: str) -> None:
         await DataPlane.unload(self, name)
 
-    def statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
-        """Every worker's counts summed (service/workers/statistics.py)."""
-        local = super().statistics(name, version)
-        if self.link is None or self.link.count == 1:
-            return local
-        others = [asked(path, name, version) for i, path in enumerate(self.link.statistics) if i != self.link.index]
-        return cast(list[ServedVersion], summed(local, others))
+    async def summed_statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
+        """Every worker's counts summed (service/workers/statistics.py), the others asked while this worker
+        goes on serving; its own counted once they have answered."""
+        link = self.link
+        if link is None or link.count == 1:
+            return self.statistics(name, version)
+        self.statistics(name, version)  # a model not served here: refused before asking the others
+        others = await asyncio.gather(*(link.counts(i, name, version) for i in range(link.count) if i != link.index))
+        return cast(list[ServedVersion], summed(self.statistics(name, version), list(others)))
 
     def own_statistics(self, name: str, version: str) -> list[tuple[str, str, ModelStats]]:
         """This worker's counts alone (what it adds to another's answer)."""

@@ -8,6 +8,8 @@ record, restarts a worker that dies, and drains them all on SIGTERM.
   control channel (service/workers/channel.py); a load or unload is applied on every worker, a region's change
   on every other, and answered once all have (the first error names its worker). What was changed is kept,
   and replayed to a worker that replaces one that died.
+- Start: the workers are forked at the start, before any thread or event loop, so that what they import is
+  shared (fork.py); a worker started again is spawned.
 - Metrics: the metrics port is the supervisor's: every worker's metrics, combined (metrics_view.py).
 - A worker that dies is started again (after RESTART_DELAY_S, doubling up to RESTART_DELAY_MAX_S while it keeps
   dying within its first minute); the requests it had in flight fail on their connections (UNAVAILABLE), the
@@ -40,7 +42,7 @@ from service.config import ServerSettings, check
 from service.errors import ConfigError, NotFound, ServingError
 from service.observability import logs
 from service.observability.metrics_http import MetricsServer
-from service.workers import channel, plan
+from service.workers import channel, fork, plan
 from service.workers.metrics_view import WorkerMetrics
 from service.workers.worker import SPEC_VARIABLE, WorkerSpec, socket_path
 
@@ -77,7 +79,7 @@ def _reserve(host: str, port: int, flag: str) -> socket.socket:
 @dataclasses.dataclass
 class _Worker:
     index: int
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | fork.Forked | None = None
     peer: channel.Peer | None = None
     metrics_port: int = 0
     started: float = 0.0
@@ -86,7 +88,7 @@ class _Worker:
 
 
 MAX_UNIX_PATH = 107  # AF_UNIX's sun_path: 108 bytes, the terminating NUL aside
-SOCKET_NAME_ROOM = 24  # the longest control socket's name under the directory ("statistics-255.sock") and a slash
+SOCKET_NAME_ROOM = 24  # a control socket's name under the directory ("worker-255.sock") and a slash, with room
 
 
 def control_directory() -> Path:
@@ -141,9 +143,24 @@ class Supervisor:
         cores = plan.pinned(index, self.count)
         return WorkerSpec(settings, index, self.count, self.directory, tuple(cores), regions, os.getpid())
 
+    def fork_workers(self) -> None:
+        """Bind the ports and fork every worker, before any thread or event loop (fork.py); where this process
+        cannot fork safely, `run` spawns them."""
+        self._bind()
+        fork.preload()
+        if not fork.single_threaded():
+            log.info("the supervisor runs threads: workers are spawned, not forked")
+            return
+        for worker in self.workers:
+            worker.process = fork.fork(self._spec(worker.index, None, ()), self._sockets)
+            self._started(worker)
+
     def _spawn(self, worker: _Worker, models: tuple[str, ...] | None = None, regions: tuple[Any, ...] = ()) -> None:
         env = {**os.environ, SPEC_VARIABLE: self._spec(worker.index, models, regions).encode()}
         worker.process = subprocess.Popen([sys.executable, "-m", "service.workers.worker"], env=env)
+        self._started(worker)
+
+    def _started(self, worker: _Worker) -> None:
         worker.started, worker.ready, worker.metrics_port = time.monotonic(), False, 0
         worker.peer = channel.Peer(socket_path(self.directory, worker.index), f"worker {worker.index}")
 
@@ -256,7 +273,8 @@ class Supervisor:
 
     async def run(self) -> int:
         s = self.settings
-        self._bind()
+        if not self._sockets:
+            self._bind()
         control = await channel.serve(socket_path(self.directory, None), self._control)
         metrics = None
         if s.metrics_port >= 0:
@@ -280,7 +298,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled)
         for worker in self.workers:
-            self._spawn(worker)
+            if worker.process is None:  # not forked (fork_workers)
+                self._spawn(worker)
         started = await asyncio.gather(*(self._until_ready(w) for w in self.workers))
         if not all(started):
             failed = [w for w, ok in zip(self.workers, started, strict=True) if not ok]
@@ -352,6 +371,7 @@ def supervise(settings: ServerSettings, count: int) -> int:
     logs.configure(settings.log_level, settings.access_log)
     supervisor = Supervisor(settings, count)
     try:
+        supervisor.fork_workers()
         return asyncio.run(supervisor.run())
     finally:
         supervisor.close()

@@ -1,9 +1,10 @@
 """One worker process of `qkv serve --workers N`: a whole server (service/server.py) on the shared ports, its
 control channel's end, and what the supervisor asks of it there.
 
-Started by the supervisor as `python -m service.workers.worker`, its `WorkerSpec` pickled in the environment
-(QKV_WORKER_SPEC). It pins itself to its share of the cores before any thread starts (service/workers/plan.py),
-so that onnxruntime's sessions, created here and never forked, size themselves to that share.
+Forked by the supervisor at the server's start (service/workers/fork.py), or started as `python -m
+service.workers.worker`, its `WorkerSpec` pickled in the environment (QKV_WORKER_SPEC). It pins itself to its
+share of the cores before any thread starts (service/workers/plan.py), so that onnxruntime's sessions, created
+here and never forked, size themselves to that share.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from typing import Any
 
 from service.config import ServerSettings
 from service.errors import ConfigError, ServingError
+from service.models import runtime
 from service.observability import logs
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
 from service.server import SWITCH_INTERVAL_S, Server
-from service.serving.memory import one_malloc_arena
+from service.serving.memory import one_malloc_arena, return_freed_memory
 from service.workers import channel
 from service.workers.identity import WorkerIdentity
 from service.workers.routing import WorkerLink, WorkerPlane, WorkerRegions
-from service.workers.statistics import StatisticsServer
+from service.workers.statistics import counts
 
-__all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "socket_path"]
+__all__ = ["SPEC_VARIABLE", "WorkerSpec", "main", "run", "socket_path"]
 
 SPEC_VARIABLE = "QKV_WORKER_SPEC"
 PR_SET_PDEATHSIG = 1
@@ -77,6 +79,8 @@ async def _control(server: Server, plane: WorkerPlane, message: tuple[Any, ...])
         return getattr(server.shared_memory, name)(*values) if name in ("register", "unregister") else None
     if operation == "infer":
         return await plane.apply_infer(*args)
+    if operation == "statistics":
+        return counts(plane.own_statistics(*args))
     raise ValueError(f"unknown control request {operation!r}")
 
 
@@ -88,7 +92,6 @@ async def _work(spec: WorkerSpec) -> int:
         spec.count,
         channel.Peer(socket_path(spec.directory, None), "the supervisor"),
         [channel.Peer(socket_path(spec.directory, i), f"worker {i}") for i in range(spec.count)],
-        [spec.directory / f"statistics-{i}.sock" for i in range(spec.count)],
     )
     assert isinstance(server.plane, WorkerPlane) and isinstance(server.shared_memory, WorkerRegions)
     server.plane.link = server.shared_memory.link = link
@@ -109,15 +112,14 @@ async def _work(spec: WorkerSpec) -> int:
     path = socket_path(spec.directory, spec.index)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # the last one's, when this worker replaces one that died
-    statistics = StatisticsServer(link.statistics[spec.index], server.plane.own_statistics)
     control = await channel.serve(path, lambda message: _control(server, server.plane, message))  # type: ignore[arg-type]
     gc.collect()
     gc.freeze()  # as a single server does (service/server.py)
+    return_freed_memory()  # what building and warming up the sessions freed
     log.info("worker %d (pid %d) serving", spec.index, os.getpid())
     await stop.wait()
     await server.drain()
     control.close()
-    statistics.close()
     for peer in [link.supervisor, *link.workers]:
         peer.close()
     return 0
@@ -131,13 +133,14 @@ def _exit_with_supervisor(supervisor: int) -> bool:
     return not supervisor or os.getppid() == supervisor
 
 
-def main() -> int:
-    spec: WorkerSpec = pickle.loads(base64.b64decode(os.environ.pop(SPEC_VARIABLE)))
+def run(spec: WorkerSpec) -> int:
+    """The worker's life, from its start (spawned, or forked by the supervisor) to its exit status."""
     if not _exit_with_supervisor(spec.supervisor):
         return 0
     if spec.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cores)  # before any thread: every thread started here inherits it
     one_malloc_arena()
+    runtime.use_cpu_arena(spec.settings.worker_cpu_arena)  # before any session
     logs.configure(spec.settings.log_level, spec.settings.access_log)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -145,6 +148,11 @@ def main() -> int:
     except (RepositoryError, ConfigError) as e:
         print(f"qkv serve: worker {spec.index}: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+
+
+def main() -> int:
+    """A spawned worker (`python -m service.workers.worker`): its spec is in the environment."""
+    return run(pickle.loads(base64.b64decode(os.environ.pop(SPEC_VARIABLE))))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from service import protocol
 from service.errors import ConfigError
+from service.workers.fork import single_threaded
 from service.workers.identity import HEADER
 from service.workers.metrics_view import combine
 from service.workers.plan import WORKER_BYTES, cores_of, cpu_budget, pinned, usable_cores, worker_count
@@ -198,11 +200,41 @@ def test_metrics_and_statistics_sum_over_the_workers(served: RunningServer) -> N
         c.close()
 
 
+def test_a_worker_asking_a_stopped_one_for_statistics_goes_on_serving(served: RunningServer) -> None:
+    """Worker 1 stopped (SIGSTOP): worker 0's statistics call waits for it, up to its timeout, and leaves it out;
+    an inference on worker 0 sent while that call waits is answered first, and counted in its answer."""
+    asking, serving, stopped, *rest = _connections(served.url, each=2)
+    _scale(stopped.client)  # worker 1 has counts of its own
+    before = _successes(asking.client)
+    os.kill(stopped.worker[1], signal.SIGSTOP)
+    try:
+        alone = _successes(asking.client)  # worker 0's own: worker 1 does not answer
+        answered: list[tuple[str, int]] = []
+        waiting = threading.Thread(target=lambda: answered.append(("statistics", _successes(asking.client))))
+        waiting.start()
+        time.sleep(0.5)  # (the call reaches worker 0 and waits on worker 1)
+        _scale(serving.client)
+        answered.append(("infer", 1))
+        waiting.join(30)
+    finally:
+        os.kill(stopped.worker[1], signal.SIGCONT)
+    assert alone < before
+    assert answered == [("infer", 1), ("statistics", alone + 1)]
+    assert _successes(stopped.client) == _successes(asking.client) == before + 1  # both workers answer again
+    for c in (asking, serving, stopped, *rest):
+        c.close()
+
+
+def _command(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
+
+
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(served: RunningServer) -> None:
     loader = Connection(served.url)
     loader.client.load_model("scale_later")  # loaded since the start: a restarted worker must load it too
     loader.close()
     victim_index, victim = _connections(served.url)[0].worker
+    assert _command(victim) == _command(served.process.pid)  # forked at the start, from the supervisor
     failures: list[str] = []
     answered = [0]
     lost: list[str] = []
@@ -250,6 +282,7 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail_retryable(serve
     assert not lost and answered[0] > 0
     assert set(failures) <= {"StatusCode.UNAVAILABLE"}, failures
     # The restarted worker has what was loaded since the start (replayed): scale_later, loaded above.
+    assert _command(restarted.worker[1])[-2:] == ["-m", "service.workers.worker"]  # spawned: a restart
     assert restarted.client.is_model_ready("scale")
     assert restarted.client.is_model_ready("scale_later")
     restarted.client.unload_model("scale_later")  # as the other tests find it
@@ -366,7 +399,7 @@ def test_the_control_sockets_go_under_tmp_where_tmpdir_is_too_deep_for_a_socket(
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     directory = control_directory()
     try:
-        assert directory.parent == Path("/tmp") and len(str(directory / "statistics-255.sock")) <= MAX_UNIX_PATH
+        assert directory.parent == Path("/tmp") and len(str(directory / "worker-255.sock")) <= MAX_UNIX_PATH
         assert directory.stat().st_mode & 0o777 == 0o700 and not list(deep.iterdir())
     finally:
         directory.rmdir()
@@ -387,3 +420,48 @@ def test_a_worker_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
     answer = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert answer.returncode == 2, answer.stderr
     assert "unknown setting(s) ['typo']" in answer.stderr and "serving" not in answer.stdout
+
+
+def _config_entry(options: Any, key: str) -> str:
+    try:
+        return str(options.get_session_config_entry(key))
+    except RuntimeError:  # not set
+        return ""
+
+
+def test_the_worker_cpu_arena_choice_reaches_every_session_a_model_does_not_decide_for() -> None:
+    import onnxruntime as ort
+
+    from service.models import runtime
+
+    made: list[tuple[str, dict[str, bool], bool, str]] = []
+    try:
+        for arena in ("off", "shared", "session"):  # what a worker of --worker-cpu-arena sets
+            runtime.use_cpu_arena(arena)
+            for session in ({}, {"enable_mem_arena": True}):
+                options = ort.SessionOptions()
+                config: Any = SimpleNamespace(session=session, device="cpu", accelerators=())
+                assert runtime.triton_providers(config, options, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+                shared = _config_entry(options, "session.use_env_allocators")
+                made.append((arena, session, options.enable_cpu_mem_arena, shared))
+    finally:
+        runtime.use_cpu_arena("session")
+    assert made == [
+        ("off", {}, False, ""),
+        ("off", {"enable_mem_arena": True}, True, ""),
+        ("shared", {}, True, "1"),
+        ("shared", {"enable_mem_arena": True}, True, ""),
+        ("session", {}, True, ""),
+        ("session", {"enable_mem_arena": True}, True, ""),
+    ]
+
+
+def test_the_supervisor_forks_only_while_no_thread_of_its_own_runs() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert not single_threaded()  # a thread runs: the workers are spawned
+    finally:
+        release.set()
+        thread.join()
