@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from tokenizers import Encoding
@@ -32,7 +32,15 @@ from service.models.catalog import TextAnswer, TextAsk
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
 from service.models.tensor.model import TensorModel
-from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
+from service.models.text.batching import (
+    SENTENCE_TOKENS,
+    SHORT_LENGTH,
+    SHORT_ROWS,
+    inline_tokens,
+    lone_times,
+    short_rows,
+    text_tuning,
+)
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tasks import task_answer, task_io
@@ -41,6 +49,7 @@ from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.admission import Admission, WorkItem
+from service.scheduling.batching import LONE
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
@@ -83,10 +92,35 @@ class _Encoder(TensorModel):
         short = short_rows(lambda n, rows: self.batcher.served_seconds(partial(self._batch_of, n, rows)))
         self.tuning = text_tuning(self.tuning, self.batcher.cost, short, length)
         self.batcher.use(self.tuning, self.batcher.cost)
-        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
         log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
                  self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
                  short.many * 1e3, short.sentence * 1e3)  # fmt: skip
+        if self.batcher.lone and "inline_max_tokens" not in self.config.batching_given:
+            self._choose_inline()
+        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
+
+    def _choose_inline(self) -> None:
+        """How long a request alone, on the lone session, may be to run on the event loop's thread
+        (service/models/text/batching.py): the text kind's bound, or the tensor kind's where that allows more."""
+        times = lone_times(self._lone_seconds)
+        tokens = inline_tokens(times, self.batcher.lone_min_tokens)
+        self.batcher.lone_inline_max_tokens = max(self.batcher.lone_inline_max_tokens, tokens)
+        log.info("model '%s': a text alone of up to %d tokens runs on the event loop's thread (on every core, by "
+                 "tokens: %s)", self.name, self.batcher.lone_inline_max_tokens,
+                 ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in times))  # fmt: skip
+
+    def _lone_seconds(self, length: int) -> float:
+        """Seconds of one request of `length` tokens through the batch step on the lone session, as a request
+        computed on the event loop's thread runs."""
+        feeds = self._feeds(1, length)
+        unused = cast("asyncio.Future[Any]", None)  # the batch step reads payloads only
+        item = WorkItem(rows=1, length=length, payload=(feeds, [self.output], self._group(feeds)), future=unused)
+        t0 = time.perf_counter()
+        (result,) = self._run_batch([item], LONE)
+        seconds = time.perf_counter() - t0
+        if isinstance(result, ServingError):
+            raise result  # the warm-up's own inputs: the graph cannot run them
+        return seconds
 
     def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
         """The tensor kind's batch (a request that fails gets its error alone), each answer pooled."""
