@@ -161,8 +161,20 @@ def test_lone_times_keep_the_best_of_each_length_timed_in_turns() -> None:
         calls.append(length)
         return next(times)
 
-    assert lone_times(run) == list(zip(INLINE_LENGTHS, [4.0, 9.0, 6.0, 8.0], strict=True))
+    assert lone_times(run, bound=20.0) == list(zip(INLINE_LENGTHS, [4.0, 9.0, 6.0, 8.0], strict=True))
     assert calls == list(INLINE_LENGTHS) * SHORT_RUNS
+
+
+def test_lone_times_stop_at_the_first_length_over_the_bound() -> None:
+    seconds = {8: 4e-3, 16: 12e-3, 32: 20e-3, 64: 40e-3}
+    calls: list[int] = []
+
+    def run(length: int) -> float:
+        calls.append(length)
+        return seconds[length]
+
+    assert lone_times(run) == [(8, 4e-3), (16, 12e-3)]  # 16 tokens over 10 ms: 32 and 64 never timed
+    assert calls == [8, 16] * SHORT_RUNS
 
 
 class Recorder:

@@ -107,12 +107,17 @@ def short_rows(run: Callable[[int, int], float]) -> ShortRows:
     return ShortRows(*(best[s] for s in sizes))
 
 
-def lone_times(run: Callable[[int], float]) -> list[tuple[int, float]]:
+def lone_times(run: Callable[[int], float], bound: float = INLINE_SECONDS) -> list[tuple[int, float]]:
     """(tokens, the best of SHORT_RUNS seconds) of one request of each of INLINE_LENGTHS on the lone session
-    (`run(length)`), the lengths timed in turns."""
-    best = dict.fromkeys(INLINE_LENGTHS, float("inf"))
-    for _ in range(SHORT_RUNS):
-        for length in INLINE_LENGTHS:
+    (`run(length)`), the lengths timed in turns; the first round stops at the first length over `bound`, the
+    longest `inline_tokens` reads (a large model's longer rows would only add to its start)."""
+    best: dict[int, float] = {}
+    for length in INLINE_LENGTHS:
+        best[length] = run(length)
+        if best[length] > bound:
+            break
+    for _ in range(SHORT_RUNS - 1):
+        for length in best:
             best[length] = min(best[length], run(length))
     return list(best.items())
 
