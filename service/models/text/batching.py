@@ -107,12 +107,14 @@ def short_rows(run: Callable[[int, int], float]) -> ShortRows:
     return ShortRows(*(best[s] for s in sizes))
 
 
-def lone_times(run: Callable[[int], float], bound: float = INLINE_SECONDS) -> list[tuple[int, float]]:
-    """(tokens, the best of SHORT_RUNS seconds) of one request of each of INLINE_LENGTHS on the lone session
+def lone_times(
+    run: Callable[[int], float], lengths: tuple[int, ...] = INLINE_LENGTHS, bound: float = INLINE_SECONDS
+) -> list[tuple[int, float]]:
+    """(tokens, the best of SHORT_RUNS seconds) of one request of each of `lengths` on the lone session
     (`run(length)`), the lengths timed in turns; the first round stops at the first length over `bound`, the
     longest `inline_tokens` reads (a large model's longer rows would only add to its start)."""
     best: dict[int, float] = {}
-    for length in INLINE_LENGTHS:
+    for length in lengths:
         best[length] = run(length)
         if best[length] > bound:
             break

@@ -33,6 +33,7 @@ from service.models.common import Metadata, ModelStats, Result, check_inputs, ch
 from service.models.runtime import TensorRuntime, TensorSpec
 from service.models.tensor.model import TensorModel
 from service.models.text.batching import (
+    INLINE_LENGTHS,
     SENTENCE_TOKENS,
     SHORT_LENGTH,
     SHORT_ROWS,
@@ -85,7 +86,8 @@ class _Encoder(TensorModel):
 
     def warm_up(self, length: int = 64) -> None:
         """The tensor kind's warm-up and sweep, then a batch's own cost timed on short rows as served, and the
-        batching settings from both (service/models/text/batching.py)."""
+        batching settings from both; with a lone session, the longest text alone it computes on the event
+        loop's thread (service/models/text/batching.py)."""
         super().warm_up(length)
         if self.tuning is None or self.batcher.cost is None or length < SENTENCE_TOKENS:
             return  # a model of fewer tokens than the short rows keeps the sweep's settings
@@ -95,14 +97,16 @@ class _Encoder(TensorModel):
         log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
                  self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
                  short.many * 1e3, short.sentence * 1e3)  # fmt: skip
-        if self.batcher.lone and "inline_max_tokens" not in self.config.batching_given:
-            self._choose_inline()
+        lengths = tuple(n for n in INLINE_LENGTHS if self.batcher.lone_min_tokens <= n <= self.max_sequence_length)
+        if self.batcher.lone and lengths and "inline_max_tokens" not in self.config.batching_given:
+            self._choose_inline(lengths)
         self.stats = ModelStats()  # the statistics count requests, not warm-up batches
 
-    def _choose_inline(self) -> None:
+    def _choose_inline(self, lengths: tuple[int, ...]) -> None:
         """How long a request alone, on the lone session, may be to run on the event loop's thread
-        (service/models/text/batching.py): the text kind's bound, or the tensor kind's where that allows more."""
-        times = lone_times(self._lone_seconds)
+        (service/models/text/batching.py), from one request of each of `lengths` timed on it: the text kind's
+        bound, or the tensor kind's where that allows more."""
+        times = lone_times(self._lone_seconds, lengths)
         tokens = inline_tokens(times, self.batcher.lone_min_tokens)
         self.batcher.lone_inline_max_tokens = max(self.batcher.lone_inline_max_tokens, tokens)
         log.info("model '%s': a text alone of up to %d tokens runs on the event loop's thread (on every core, by "
