@@ -7,10 +7,10 @@
     and always TOKENS (INT64 [N]: tokens each input ran as) and TRUNCATED (INT64 [N]: tokens cut)
 
 A request's texts are tokenized (service/models/text/tokens.py), fitted to the model's length by the
-long-input policy, and handed as token rows to the graph served as a tensor model (`_Encoder`): its
-dynamic batcher batches rows of all requests by token length, and its instances' threads pool (or score)
-each batch before handing it back. Request parameters: `dimensions`, `long_inputs`, `truncation_side`,
-`prompt_name`.
+long-input policy, and handed as token rows to the graph served as a tensor model (`Encoder`,
+service/models/text/encoder.py): its dynamic batcher batches rows of all requests by token length, and its
+instances' threads pool (or score) each batch before handing it back. Request parameters: `dimensions`,
+`long_inputs`, `truncation_side`, `prompt_name`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Encoding
@@ -31,17 +31,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.models.catalog import TextAnswer, TextAsk
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
-from service.models.tensor.model import TensorModel
-from service.models.text.batching import (
-    INLINE_LENGTHS,
-    SENTENCE_TOKENS,
-    SHORT_LENGTH,
-    SHORT_ROWS,
-    inline_tokens,
-    lone_times,
-    short_rows,
-    text_tuning,
-)
+from service.models.text.encoder import POOLED, Encoder
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tasks import task_answer, task_io
@@ -49,8 +39,7 @@ from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_enc
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
-from service.scheduling.admission import Admission, WorkItem
-from service.scheduling.batching import LONE
+from service.scheduling.admission import Admission
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
@@ -68,71 +57,9 @@ log = logging.getLogger("qkv.models")
 THREAD_TEXT_BYTES = 1 << 12
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EMBEDDING_OUTPUTS = ("token_embeddings", "last_hidden_state")
-POOLED = "POOLED"  # what a batch step hands back: (rows, D) pooled, or (rows, C) scores
 # Queue bounds of the text kind where config.json gives none: a request is many texts (its rows are queued
 # as several items), and a client sending a corpus would rather wait than be refused a second's work.
 QUEUE_DEFAULTS: dict[str, Any] = {"max_queue_wait_ms": 10_000.0, "max_queue_tokens": 1 << 19}
-
-
-class _Encoder(TensorModel):
-    """The graph as a tensor model (token rows batched by length); each batch's outputs turned into pooled
-    embeddings or scores on the instance's thread, so the event loop only gathers vectors."""
-
-    def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver,
-                 head: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray], output: str,
-                 compute: ComputeThreads) -> None:  # fmt: skip
-        super().__init__(config, runtime, observer, compute)
-        self.head, self.output = head, output
-
-    def warm_up(self, length: int = 64) -> None:
-        """The tensor kind's warm-up and sweep, then a batch's own cost timed on short rows as served, and the
-        batching settings from both; with a lone session, the longest text alone it computes on the event
-        loop's thread (service/models/text/batching.py)."""
-        super().warm_up(length)
-        if self.tuning is None or self.batcher.cost is None or length < SENTENCE_TOKENS:
-            return  # a model of fewer tokens than the short rows keeps the sweep's settings
-        short = short_rows(lambda n, rows: self.batcher.served_seconds(partial(self._batch_of, n, rows)))
-        self.tuning = text_tuning(self.tuning, self.batcher.cost, short, length)
-        self.batcher.use(self.tuning, self.batcher.cost)
-        log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
-                 self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
-                 short.many * 1e3, short.sentence * 1e3)  # fmt: skip
-        lengths = tuple(n for n in INLINE_LENGTHS if self.batcher.lone_min_tokens <= n <= self.max_sequence_length)
-        if self.batcher.lone and lengths and "inline_max_tokens" not in self.config.batching_given:
-            self._choose_inline(lengths)
-        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
-
-    def _choose_inline(self, lengths: tuple[int, ...]) -> None:
-        """How long a request alone, on the lone session, may be to run on the event loop's thread
-        (service/models/text/batching.py), from one request of each of `lengths` timed on it: the text kind's
-        bound, or the tensor kind's where that allows more."""
-        times = lone_times(self._lone_seconds, lengths)
-        tokens = inline_tokens(times, self.batcher.lone_min_tokens)
-        self.batcher.lone_inline_max_tokens = max(self.batcher.lone_inline_max_tokens, tokens)
-        log.info("model '%s': a text alone of up to %d tokens runs on the event loop's thread (on every core, by "
-                 "tokens: %s)", self.name, self.batcher.lone_inline_max_tokens,
-                 ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in times))  # fmt: skip
-
-    def _lone_seconds(self, length: int) -> float:
-        """Seconds of one request of `length` tokens through the batch step on the lone session, as a request
-        computed on the event loop's thread runs."""
-        feeds = self._feeds(1, length)
-        unused = cast("asyncio.Future[Any]", None)  # the batch step reads payloads only
-        item = WorkItem(rows=1, length=length, payload=(feeds, [self.output], self._group(feeds)), future=unused)
-        t0 = time.perf_counter()
-        (result,) = self._run_batch([item], LONE)
-        seconds = time.perf_counter() - t0
-        if isinstance(result, ServingError):
-            raise result  # the warm-up's own inputs: the graph cannot run them
-        return seconds
-
-    def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
-        """The tensor kind's batch (a request that fails gets its error alone), each answer pooled."""
-        results = super()._run_batch(items, instance)
-        return [
-            r if isinstance(r, ServingError) else {POOLED: self.head(x.payload[0], r[self.output])}
-            for x, r in zip(items, results, strict=True)
-        ]
 
 
 def _spec(name: str, datatype: str, shape: tuple[int, ...]) -> TensorSpec:
@@ -165,7 +92,7 @@ class TextModel:
             )
         self.with_types = "token_type_ids" in graph_inputs
         output, self.dim = self._graph_output(runtime.outputs, where)
-        self.encoder = _Encoder(inner, runtime, observer, self._head, output, compute)
+        self.encoder = Encoder(inner, runtime, observer, self._head, output, compute)
         self.observer = observer
         self.config = replace(config, outputs=self._declared())
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
