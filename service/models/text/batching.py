@@ -73,8 +73,9 @@ PADDING_SHARES = (0.1, 0.5)  # max_padding's bounds: the tensor kind's default, 
 # of them, which 3 runs left to a busy machine's moments (0.11 where 7 gave 0.27, minutes apart).
 SHORT_RUNS = 7
 # The lengths of a lone request timed for the inline rule (a query, a sentence, two), and the longest a lone
-# request may hold the event loop: 10 ms, where all-MiniLM-L6-v2's 32-token row took 6 to 10 ms on every
-# core of a 2-core machine (idle to busy), its 64-token row 9.5 to 16.
+# request may hold the event loop: 10 ms. all-MiniLM-L6-v2's 20-word text (34 tokens) took 6.2 ms alone on an
+# idle 2-core machine (BENCHMARKS.md, "Text models"); on a busy one, warm-up timed its 32-token row at 5.9 to
+# 10.3 ms on every core.
 INLINE_LENGTHS = (8, 16, SENTENCE_TOKENS, 2 * SENTENCE_TOKENS)
 INLINE_SECONDS = 0.010
 
