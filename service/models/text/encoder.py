@@ -41,7 +41,8 @@ POOLED = "POOLED"  # what a batch step hands back: (rows, D) pooled, or (rows, C
 
 class Encoder(TensorModel):
     """The graph as a tensor model (token rows batched by length); each batch's outputs turned into pooled
-    embeddings or scores on the instance's thread, so the event loop only gathers vectors."""
+    embeddings or scores where the batch ran: on an instance's thread, so the event loop only gathers
+    vectors, or on the loop's own for a text alone computed there."""
 
     def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver,
                  head: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray], output: str,
