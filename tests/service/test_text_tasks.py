@@ -6,6 +6,8 @@ with optimum, dropped in with no config: their scores held to transformers on th
 from __future__ import annotations
 
 import json
+import logging
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from service.models.catalog import recognised
+from service.models.text.batching import INLINE_SECONDS
+from service.models.text.model import build_text_model
+from service.observability.metrics import Metrics, ModelObserver
+from service.priority import ComputeThreads
+from service.repository.layout import load_model
 from tests.conftest import RunningServer, start_server, stop_server
 from tests.service.text_models import real_texts, repository, small_bert
 
@@ -120,3 +128,27 @@ def test_task_errors_name_the_field(server: RunningServer) -> None:
     assert status == 400 and "model" in answer["error"]
     status, answer = post(server, "/predict", {"model": "classifier", "inputs": "x", "long_inputs": "chunk"})
     assert status == 400 and "long_inputs" in answer["error"]
+
+
+def test_warm_up_times_texts_alone_on_the_lone_session_for_the_loops_bound(
+    classifier: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The text kind's inline bound for the lone session (service/models/text/batching.py): one request of
+    each length run through the batch step on that session, in process, and the longest the loop computes
+    chosen from those times (the lone session kept as warm-up keeps it where every core gains)."""
+    repo = repository(tmp_path, {"classifier": classifier[1]})
+    (config,) = load_model(repo / "classifier", kind_of=recognised)
+    model = build_text_model(config, ["CPUExecutionProvider"], ModelObserver(Metrics(), "classifier", "1"),
+                             ComputeThreads())  # fmt: skip
+    encoder = model.encoder
+    if encoder.runtime.lone is None:
+        pytest.skip("one core: no lone session")
+    encoder.batcher.lone, encoder.batcher.lone_min_tokens = True, 16
+    with caplog.at_level(logging.INFO, "qkv.models"):
+        encoder._choose_inline((16, 32, 64))
+    (said,) = [r.getMessage() for r in caplog.records if "a text alone of up to" in r.getMessage()]
+    times = [(int(t), float(ms) / 1e3) for t, ms in re.findall(r"(\d+): ([\d.]+) ms", said)]
+    assert [t for t, _ in times] == [16, 32, 64][: len(times)] and all(s > 0 for _, s in times)
+    chosen = encoder.batcher.lone_inline_max_tokens
+    assert chosen == 0 if times[0][1] > INLINE_SECONDS else 16 <= chosen <= 64
+    assert f"up to {chosen} tokens" in said

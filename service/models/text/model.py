@@ -7,10 +7,10 @@
     and always TOKENS (INT64 [N]: tokens each input ran as) and TRUNCATED (INT64 [N]: tokens cut)
 
 A request's texts are tokenized (service/models/text/tokens.py), fitted to the model's length by the
-long-input policy, and handed as token rows to the graph served as a tensor model (`_Encoder`): its
-dynamic batcher batches rows of all requests by token length, and its instances' threads pool (or score)
-each batch before handing it back. Request parameters: `dimensions`, `long_inputs`, `truncation_side`,
-`prompt_name`.
+long-input policy, and handed as token rows to the graph served as a tensor model (`Encoder`,
+service/models/text/encoder.py): its dynamic batcher batches rows of all requests by token length, and its
+instances' threads pool (or score) each batch before handing it back. Request parameters: `dimensions`,
+`long_inputs`, `truncation_side`, `prompt_name`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from service.errors import InvalidArgument, ServingError, quote
 from service.models.catalog import TextAnswer, TextAsk
 from service.models.common import Metadata, ModelStats, Result, check_inputs, check_outputs
 from service.models.runtime import TensorRuntime, TensorSpec
-from service.models.tensor.model import TensorModel
-from service.models.text.batching import SENTENCE_TOKENS, SHORT_LENGTH, SHORT_ROWS, short_rows, text_tuning
+from service.models.text.encoder import POOLED, Encoder
 from service.models.text.pooling import activate, l2_normalized, pool, pool_windows, truncated_dimensions
 from service.models.text.settings import LONG_INPUTS, SIDES, TOKENIZER_FILE, TextSettings, read_settings
 from service.models.text.tasks import task_answer, task_io
@@ -40,7 +39,7 @@ from service.models.text.tokens import Fitted, Row, TextTokenizer, fit, from_enc
 from service.observability.metrics import ModelObserver
 from service.priority import ComputeThreads
 from service.repository.layout import ModelConfig, RepositoryError
-from service.scheduling.admission import Admission, WorkItem
+from service.scheduling.admission import Admission
 from service.scheduling.config import BatchingConfig
 from service.scheduling.leases import InFlight
 
@@ -58,43 +57,9 @@ log = logging.getLogger("qkv.models")
 THREAD_TEXT_BYTES = 1 << 12
 GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EMBEDDING_OUTPUTS = ("token_embeddings", "last_hidden_state")
-POOLED = "POOLED"  # what a batch step hands back: (rows, D) pooled, or (rows, C) scores
 # Queue bounds of the text kind where config.json gives none: a request is many texts (its rows are queued
 # as several items), and a client sending a corpus would rather wait than be refused a second's work.
 QUEUE_DEFAULTS: dict[str, Any] = {"max_queue_wait_ms": 10_000.0, "max_queue_tokens": 1 << 19}
-
-
-class _Encoder(TensorModel):
-    """The graph as a tensor model (token rows batched by length); each batch's outputs turned into pooled
-    embeddings or scores on the instance's thread, so the event loop only gathers vectors."""
-
-    def __init__(self, config: ModelConfig, runtime: TensorRuntime, observer: ModelObserver,
-                 head: Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray], output: str,
-                 compute: ComputeThreads) -> None:  # fmt: skip
-        super().__init__(config, runtime, observer, compute)
-        self.head, self.output = head, output
-
-    def warm_up(self, length: int = 64) -> None:
-        """The tensor kind's warm-up and sweep, then a batch's own cost timed on short rows as served, and the
-        batching settings from both (service/models/text/batching.py)."""
-        super().warm_up(length)
-        if self.tuning is None or self.batcher.cost is None or length < SENTENCE_TOKENS:
-            return  # a model of fewer tokens than the short rows keeps the sweep's settings
-        short = short_rows(lambda n, rows: self.batcher.served_seconds(partial(self._batch_of, n, rows)))
-        self.tuning = text_tuning(self.tuning, self.batcher.cost, short, length)
-        self.batcher.use(self.tuning, self.batcher.cost)
-        self.stats = ModelStats()  # the statistics count requests, not warm-up batches
-        log.info("batching %s (text: 1 and %d rows of %d tokens, 1 of %d, took %.3f, %.3f and %.3f ms)",
-                 self.tuning.summary(self.name), SHORT_ROWS, SHORT_LENGTH, SENTENCE_TOKENS, short.one * 1e3,
-                 short.many * 1e3, short.sentence * 1e3)  # fmt: skip
-
-    def _run_batch(self, items: list[WorkItem], instance: int) -> list[dict[str, np.ndarray] | ServingError]:
-        """The tensor kind's batch (a request that fails gets its error alone), each answer pooled."""
-        results = super()._run_batch(items, instance)
-        return [
-            r if isinstance(r, ServingError) else {POOLED: self.head(x.payload[0], r[self.output])}
-            for x, r in zip(items, results, strict=True)
-        ]
 
 
 def _spec(name: str, datatype: str, shape: tuple[int, ...]) -> TensorSpec:
@@ -127,7 +92,7 @@ class TextModel:
             )
         self.with_types = "token_type_ids" in graph_inputs
         output, self.dim = self._graph_output(runtime.outputs, where)
-        self.encoder = _Encoder(inner, runtime, observer, self._head, output, compute)
+        self.encoder = Encoder(inner, runtime, observer, self._head, output, compute)
         self.observer = observer
         self.config = replace(config, outputs=self._declared())
         self.name, self.version, self.provider = config.name, config.version, runtime.provider
