@@ -109,6 +109,7 @@ class Sequence:
     score: float = 0.0  # the chosen tokens' logits summed (their log-probability where the graph gives log-probs)
     attention: list[np.ndarray] | None = None  # a list: each output token's cross-attention row (g2p's graphs)
     tag: Any = None  # the caller's handle, opaque to the engine
+    chunks: bool = True  # a chunk every step; False: the last one only (a caller that reads the answer whole)
     # Where its cache lies in the last step's outputs (an encoder-decoder's): the call's group and its row there
     slot: tuple[tuple[int, ...], int] | None = None
 
@@ -524,10 +525,11 @@ class Engine:
         logits, _ = graph.step(ids, mask, past, self_mask)
         resident.stepped()
         attention = cast(StartsFromEncoder, graph).attention()
+        best = logits[:, -1].argmax(axis=-1).tolist()  # greedy rows' tokens, in one call
         for r, s in enumerate(group):
             if s.attention is not None and attention is not None:
                 s.attention.append(attention[r, : len(s.prompt)].copy())
-            self._advance(s, logits[r, -1])
+            self._advance(s, logits[r, -1], best[r])
 
     def _stacked(self, group: list[Sequence], lengths: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         """A group's encoder mask, self-attention mask (B, P+1) and past: caches left-padded to the longest (at
@@ -573,13 +575,18 @@ class Engine:
 
     # --- choosing and answering -------------------------------------------------------------------------
 
-    def _advance(self, s: Sequence, logits: np.ndarray) -> None:
-        """Choose `s`'s next token from its logits, hand its chunk over, and end it if it is done."""
+    def _advance(self, s: Sequence, logits: np.ndarray, best: int | None = None) -> None:
+        """Choose `s`'s next token from its logits (`best`: their argmax, when the call's rows took it at once),
+        hand its chunk over, and end it if it is done."""
         request = s.request
         if request.num_beams > 1:
             self._beam_advance(s, logits)
             return
-        token = s.chooser.choose(logits, self._seen(s) if s.chooser.penalty != 1.0 else ())
+        chooser = s.chooser
+        if best is not None and chooser.rng is None and chooser.penalty == 1.0:  # greedy: the argmax as it is
+            token = best
+        else:
+            token = chooser.choose(logits, self._seen(s) if chooser.penalty != 1.0 else ())
         s.score += float(logits[token])
         first = not s.output
         s.output.append(token)
@@ -598,6 +605,8 @@ class Engine:
             reason = "length"
         if reason is not None and detokenizer is not None:
             text += detokenizer.flush()
+        if reason is None and not s.chunks:
+            return
         chunk = GenerationChunk((token,), text, reason, len(s.prompt), len(s.output))
         if reason is not None:
             self._finish(s, chunk, None)

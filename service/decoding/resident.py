@@ -107,17 +107,16 @@ class ResidentCaches(Generic[R]):
         capacity_rows = self.mask.shape[0]
         if not n or n + k > capacity_rows or width > self.mask.shape[1] or t > self.t:
             self._grow(max(n + k, 2 * n), max(width, self.mask.shape[1] if n else 0), t)
+        for a in (*self.arrays, self.mask, self.cache_mask):
+            a[n : n + k] = 0  # rows that left may have been there
         for j, (s, m) in enumerate(zip(new, lengths, strict=True)):
             r, w = n + j, len(s.prompt)
             for a, c, own in zip(self.arrays, s.cache, self.own, strict=True):
-                a[r] = 0  # a row that left may have been here
-                if own:
-                    a[r, :, t - m : t] = c
-                else:
+                if not own:
                     a[r, :, :w] = c
-            self.mask[r] = 0
+                elif m:
+                    a[r, :, t - m : t] = c
             self.mask[r, :w] = 1
-            self.cache_mask[r] = 0
             self.cache_mask[r, t - m : t] = 1
             s.cache = []  # held here from now on
         self.rows += new

@@ -153,7 +153,8 @@ def word_engine(steps: WordSteps, rows: int, name: str = "g2p", compute: Compute
 def word(source: list[int], max_len: int, with_attention: bool = False, tag: Any = None) -> Sequence:
     """A word to decode greedily: its graphemes, at most `max_len` phonemes (</s> counted)."""
     request = GenerationRequest(tuple(source), max_len)
-    return Sequence(request, _GREEDY, None, Outcome(), attention=[] if with_attention else None, tag=tag)
+    return Sequence(request, _GREEDY, None, Outcome(), attention=[] if with_attention else None, tag=tag,
+                    chunks=False)  # fmt: skip
 
 
 def hypothesis(s: Sequence) -> Hypothesis:
