@@ -418,6 +418,7 @@ class Engine:
             for a, c in zip(past, s.cache if n else (), strict=False):
                 a[r, :, p - n :] = c
         logits, present = graph.run(ids, mask, positions, past)
+        best = logits[:, -1].argmax(axis=-1).tolist()  # greedy rows' tokens, in one call
         for r, ((s, new), n) in enumerate(zip(rows, lengths, strict=True)):
             if len(new) == t:  # its positions are the last n + t: a view, copied once, into the next step's past
                 s.cache = [a[r, :, p - n :] for a in present]
@@ -427,7 +428,7 @@ class Engine:
             if s.done < len(s.prompt):
                 s.done += len(new)
             if emits[r]:
-                self._advance(s, logits[r, -1])
+                self._advance(s, logits[r, -1], best[r])
 
     # --- encoder-decoder --------------------------------------------------------------------------------
 
@@ -502,7 +503,10 @@ class Engine:
         p = self_mask.shape[1] - 1  # the cache's positions in this call, pads included
         ids = np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
         logits, present = graph.step(ids, mask, past, self_mask)
-        self._next_groups[key] = (mask, np.pad(self_mask, ((0, 0), (0, 1)), constant_values=1), present)
+        grown = np.ones((self_mask.shape[0], self_mask.shape[1] + 1), dtype=np.int64)  # the next step's: one more
+        grown[:, :-1] = self_mask
+        self._next_groups[key] = (mask, grown, present)
+        best = logits[:, -1].argmax(axis=-1).tolist()  # greedy rows' tokens, in one call
         attention = cast(StartsFromEncoder, graph).attention() if self.starts_from_encoder else None
         for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
             s.cache = [a[r, :, p - n :] if own else c
@@ -510,7 +514,7 @@ class Engine:
             s.slot = (key, r)
             if s.attention is not None and attention is not None:
                 s.attention.append(attention[r, : len(s.prompt)].copy())
-            self._advance(s, logits[r, -1])
+            self._advance(s, logits[r, -1], best[r])
 
     def _resident_decode(self, rows: list[Sequence]) -> None:
         """One token for every row, their caches resident in the engine's buffers (resident.py)."""

@@ -154,6 +154,7 @@ class Seq2SeqGraphs:
         hidden = self.encoder.get_outputs()[0].shape[-1]
         self.d_model = hidden if isinstance(hidden, int) else self.past.heads * self.past.head_dim
         self.dtype = np.float32
+        self._zeros = np.zeros((0, 0, self.d_model), dtype=self.dtype)
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """(B, S) ids and mask -> (B, S, E) hidden states."""
@@ -176,6 +177,13 @@ class Seq2SeqGraphs:
         present = dict(zip(self.first_outputs[1:], out[1:], strict=True))
         return out[0], [present[n] for n in self.past.outputs]
 
+    def _no_hidden_states(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Zeros of (B, S, E): what the decoder with past is given for encoder_hidden_states, whose shape alone it
+        reads; the last one is kept (a running batch asks for the same shape step after step)."""
+        if self._zeros.shape[:2] != shape:
+            self._zeros = np.zeros((*shape, self.d_model), dtype=self.dtype)
+        return self._zeros
+
     def step(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray],
              self_mask: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
         """A step with past: ids (B, T), the encoder mask (B, S), past, the self-attention mask (B, P+T) where
@@ -185,7 +193,7 @@ class Seq2SeqGraphs:
             b, p = ids.shape[0], past[self.past.self_attention.index(True)].shape[2]
             feeds[MASK] = self_mask if self_mask is not None else np.ones((b, p + ids.shape[1]), dtype=np.int64)
         if "encoder_hidden_states" in self.decoder_inputs:  # read for its shape only on the cache branch
-            feeds["encoder_hidden_states"] = np.zeros((*mask.shape, self.d_model), dtype=self.dtype)
+            feeds["encoder_hidden_states"] = self._no_hidden_states(mask.shape)
         if self.merged:
             feeds["use_cache_branch"] = np.array([True])
         feeds.update(zip(self.past.inputs, past, strict=True))
