@@ -150,13 +150,10 @@ class DataPlane:
         """The versions ModelStatistics reports: the one named, each of a model's, or every served one."""
         if version:
             return [self.model(name, version)]
-        if name:
-            return self.versions(name)
-        return self.registry.served()
+        return self.versions(name) if name else self.registry.served()
 
     async def summed_statistics(self, name: str = "", version: str = "") -> list[ServedVersion]:
-        """What the statistics extension answers: `statistics`, summed over every process that serves (this one
-        alone here; a worker's peers too, service/workers/routing.py)."""
+        """The statistics extension's answer: this process's (a worker's sums its peers', workers/routing.py)."""
         return self.statistics(name, version)
 
     def in_repository(self, name: str) -> bool:

@@ -102,9 +102,7 @@ def fork(spec: WorkerSpec, close: list[socket.socket]) -> Forked:
         for sock in close:
             sock.close()
         code = worker.run(spec)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
+    except BaseException:  # whatever ends it, the child exits below, never back into the parent's stack
         traceback.print_exc()
     finally:
         logging.shutdown()
