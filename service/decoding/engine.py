@@ -501,20 +501,15 @@ class Engine:
         kept = self._groups.get(key)
         mask, self_mask, past = kept if kept is not None else self._stacked(group, lengths)
         p = self_mask.shape[1] - 1  # the cache's positions in this call, pads included
-        ids = np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
-        logits, present = graph.step(ids, mask, past, self_mask)
+        logits, present = graph.step(self._last_tokens(group), mask, past, self_mask)
         grown = np.ones((self_mask.shape[0], self_mask.shape[1] + 1), dtype=np.int64)  # the next step's: one more
         grown[:, :-1] = self_mask
         self._next_groups[key] = (mask, grown, present)
-        best = logits[:, -1].argmax(axis=-1).tolist()  # greedy rows' tokens, in one call
-        attention = cast(StartsFromEncoder, graph).attention() if self.starts_from_encoder else None
         for r, (s, n) in enumerate(zip(group, lengths, strict=True)):
             s.cache = [a[r, :, p - n :] if own else c
                        for a, c, own in zip(present, s.cache, graph.past.self_attention, strict=True)]  # fmt: skip
             s.slot = (key, r)
-            if s.attention is not None and attention is not None:
-                s.attention.append(attention[r, : len(s.prompt)].copy())
-            self._advance(s, logits[r, -1], best[r])
+        self._decoded(group, logits)
 
     def _resident_decode(self, rows: list[Sequence]) -> None:
         """One token for every row, their caches resident in the engine's buffers (resident.py)."""
@@ -525,11 +520,19 @@ class Engine:
         resident.hold(rows)
         mask, self_mask, past = resident.past()
         group = list(resident.rows)
-        ids = np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
-        logits, _ = graph.step(ids, mask, past, self_mask)
+        logits, _ = graph.step(self._last_tokens(group), mask, past, self_mask)
         resident.stepped()
-        attention = cast(StartsFromEncoder, graph).attention()
-        best = logits[:, -1].argmax(axis=-1).tolist()  # greedy rows' tokens, in one call
+        self._decoded(group, logits)
+
+    def _last_tokens(self, group: list[Sequence]) -> np.ndarray:
+        """(B, 1): each row's last token, the decoder's start token before its first."""
+        return np.array([[s.output[-1] if s.output else self.decoder_start] for s in group], dtype=np.int64)
+
+    def _decoded(self, group: list[Sequence], logits: np.ndarray) -> None:
+        """After an encoder-decoder's decoding call: each row keeps the call's cross-attention row where it asks
+        for it and the graph gives it, and advances by its next token (greedy rows' from one argmax)."""
+        attention = cast(StartsFromEncoder, self.graph).attention() if self.starts_from_encoder else None
+        best = logits[:, -1].argmax(axis=-1).tolist()
         for r, s in enumerate(group):
             if s.attention is not None and attention is not None:
                 s.attention.append(attention[r, : len(s.prompt)].copy())
@@ -551,9 +554,7 @@ class Engine:
             if s.slot is not None and s.slot[0] in self._groups:
                 blocks.setdefault(s.slot[0], []).append((r, s.slot[1]))
         h, d = graph.past.heads, graph.past.head_dim
-        room = cast(StartsFromEncoder, graph).room if self.starts_from_encoder else 0
-        past = [np.zeros((b, h, p + room, d), dtype=graph.dtype)[:, :, :p] if o else
-                np.zeros((b, h, width, d), dtype=graph.dtype) for o in own]  # fmt: skip
+        past = [np.zeros((b, h, p if o else width, d), dtype=graph.dtype) for o in own]
         copied: set[int] = set()
         for last, pairs in blocks.items():
             if len(pairs) < 2:

@@ -115,8 +115,8 @@ class WordSteps:
 
 def _room_of(a: np.ndarray) -> np.ndarray | None:
     """The buffer whose leading positions `a` (B, H, P, K) is, when it is one with room past them: a cache
-    this adapter grew in place at the last step (or the engine stacked with room), which the step takes as
-    it is, its room masked."""
+    this adapter grew in place at the last step, or the engine's resident caches (resident.py), which the
+    step takes as it is, its room masked."""
     f = a.base
     if (isinstance(f, np.ndarray) and f.ndim == 4 and f.shape[0] >= a.shape[0] and f.shape[1] == a.shape[1]
             and f.shape[2] > a.shape[2] and f.shape[3] == a.shape[3] and f.flags.c_contiguous and a.strides == f.strides
