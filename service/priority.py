@@ -21,13 +21,14 @@ owns one and hands it to the kinds it builds, so two servers in one process keep
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["ComputeThreads", "cpu_quota", "dedicated_cores"]
+__all__ = ["ComputeThreads", "cpu_budget", "cpu_quota", "dedicated_cores", "usable_cores"]
 
 T = TypeVar("T")
 
@@ -88,6 +89,20 @@ class ComputeThreads:
         if not ok:
             raise value
         return value  # type: ignore[no-any-return]
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_budget(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its cores, or fewer under a cgroup CPU quota (a container limited to 2
+    CPUs on a 64-core node: 2)."""
+    cores, quota = len(usable_cores()), cpu_quota(cgroup)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 
 
 def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:

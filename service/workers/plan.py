@@ -10,32 +10,16 @@ cores.
 
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 
 from service.errors import ConfigError
-from service.priority import cpu_quota
+from service.priority import cpu_budget, usable_cores
 
 __all__ = ["WORKER_BYTES", "available_memory", "cores_of", "cpu_budget", "pinned", "usable_cores", "worker_count"]
 
 CGROUP = Path("/sys/fs/cgroup")
 WORKER_BYTES = 512 << 20  # a worker's own memory besides its models' weights: interpreter, gRPC, aiohttp, arenas
 MAX_WORKERS = 256
-
-
-def usable_cores() -> list[int]:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def cpu_budget(cgroup: Path = CGROUP) -> int:
-    """The CPUs this process may use: its cores, or fewer under a cgroup CPU quota (a container limited to 2
-    CPUs on a 64-core node: 2)."""
-    cores, quota = len(usable_cores()), cpu_quota(cgroup)
-    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 
 
 def pinned(index: int, count: int, cgroup: Path = CGROUP) -> list[int]:
