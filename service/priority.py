@@ -24,11 +24,14 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["ComputeThreads", "cpu_budget", "cpu_quota", "dedicated_cores", "usable_cores"]
+__all__ = [
+    "ComputeThreads", "cpu_budget", "cpu_quota", "dedicated_cores", "default_instances", "lone_cores",
+    "spread_lone_runs", "spread_threads", "usable_cores",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -103,6 +106,45 @@ def cpu_budget(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     CPUs on a 64-core node: 2)."""
     cores, quota = len(usable_cores()), cpu_quota(cgroup)
     return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+_spread: list[int] = []  # the cores a lone run may spread over, where wider than this process's (a pinned worker's)
+
+
+def spread_lone_runs(cores: list[int]) -> None:
+    """Let a lone run's threads spread over `cores` (called by a worker of `--workers N` with the cores it had
+    before it pinned itself to its share): a request alone on an idle server may use every core, as with
+    one process, while the worker's batches stay on its share."""
+    global _spread
+    _spread = list(cores)
+
+
+def lone_cores() -> list[int]:
+    """The cores a lone run's threads may use: `spread_lone_runs`'s, else this process's."""
+    return _spread or usable_cores()
+
+
+@contextlib.contextmanager
+def spread_threads() -> Iterator[None]:
+    """The calling thread's affinity widened to `lone_cores()` while it starts threads that inherit it (a lone
+    session's onnxruntime pool, made in the block), then narrowed back."""
+    own = usable_cores()
+    wider = set(lone_cores()) - set(own) and hasattr(os, "sched_setaffinity")
+    if wider:
+        os.sched_setaffinity(0, lone_cores())
+    try:
+        yield
+    finally:
+        if wider:
+            os.sched_setaffinity(0, own)
+
+
+def default_instances(intra_op_threads: int, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """A model's onnxruntime sessions when its config names none: two (two sessions of one thread beat one of
+    two on CPU: one batch forms while the other runs), but no more sessions of `intra_op_threads` each than
+    the CPUs this process may use hold. A worker of `--workers 2` pinned to one core runs one: a second
+    would take turns with the first on that core and hold a second copy of the weights and arena."""
+    return max(1, min(2, cpu_budget(cgroup) // max(1, intra_op_threads)))
 
 
 def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:

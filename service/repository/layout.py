@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from service.observability.metrics import UNKNOWN_MODEL
+from service.priority import default_instances
 from service.repository.ensemble_config import MAX_STEPS, EnsembleConfig, EnsembleConfigError, parse_ensemble_scheduling
 from service.repository.triton_config import (
     TritonConfigError,
@@ -155,7 +156,8 @@ class ModelConfig:
     version: str
     directory: Path  # the version directory
     batching: BatchingConfig = field(default_factory=BatchingConfig)
-    instances: int = 2  # onnxruntime sessions running batches concurrently (2 x 1 thread beats 1 x 2 here)
+    # onnxruntime sessions running batches concurrently; unset in config.json: priority.default_instances
+    instances: int = 2
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     # Tensor models on CPU: the intra-op threads of one more session, which a batch running alone on an idle
@@ -401,6 +403,8 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
         if k in raw
     }  # fmt: skip
     settings = _typed(ModelConfig, settings, at)
+    if "instances" not in settings:
+        settings["instances"] = default_instances(settings.get("intra_op_threads", 1))
     if "limits" in settings:
         settings["limits"] = _limits(settings["limits"], at)
     card = raw.get("model_card", {})
