@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import onnxruntime as ort
 
 from service.datatypes import ONNX_DATATYPES
 from service.errors import InvalidArgument, quote
+from service.priority import lone_cores, spread_threads
 from service.repository.layout import ModelConfig, RepositoryError
 from service.scheduling.batching import LONE
 from service.seq2seq.graphs import (
@@ -177,10 +177,11 @@ def _reshaped(array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarra
 
 def lone_threads(config: ModelConfig) -> int:
     """The intra-op threads of a tensor model's lone session (0: it has none): config.json's
-    lone_request_threads, or every core this process may use; none when that is no more than an instance's."""
+    lone_request_threads, or every core this process may use (a pinned worker's: those of the machine,
+    priority.lone_cores); none when that is no more than an instance's."""
     wanted = config.lone_request_threads
     if wanted is None:
-        wanted = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        wanted = len(lone_cores())
     return wanted if wanted > max(1, config.intra_op_threads) else 0
 
 
@@ -199,7 +200,10 @@ class TensorRuntime:
         alone = self.provider == "CPUExecutionProvider" and config.sequence_batching is None
         threads = lone_threads(config) if alone else 0
         # One more session, for a batch that runs alone on an idle server: every core on one request.
-        self.lone = _session(path, replace(config, intra_op_threads=threads), providers, lone=True) if threads else None
+        self.lone = None
+        if threads:
+            with spread_threads():  # its pool's threads may use every core, a pinned worker's too
+                self.lone = _session(path, replace(config, intra_op_threads=threads), providers, lone=True)
         graph_inputs, graph_outputs = _specs(self.sessions[0].get_inputs()), _specs(self.sessions[0].get_outputs())
         graph_inputs += _optional_inputs(config, self.sessions[0])
         # a stateful model's control and state tensors are the server's: a config declares the others

@@ -27,6 +27,7 @@ from service.config import ServerSettings
 from service.errors import ConfigError, ServingError
 from service.models import runtime
 from service.observability import logs
+from service.priority import spread_lone_runs, usable_cores
 from service.repository.layout import RepositoryError
 from service.scheduling.loop_idle import new_event_loop
 from service.server import SWITCH_INTERVAL_S, Server
@@ -138,6 +139,7 @@ def run(spec: WorkerSpec) -> int:
     if not _exit_with_supervisor(spec.supervisor):
         return 0
     if spec.cores and hasattr(os, "sched_setaffinity"):
+        spread_lone_runs(usable_cores())  # a request alone on an idle server may still use every core
         os.sched_setaffinity(0, spec.cores)  # before any thread: every thread started here inherits it
     one_malloc_arena()
     runtime.use_cpu_arena(spec.settings.worker_cpu_arena)  # before any session

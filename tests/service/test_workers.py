@@ -433,6 +433,52 @@ def _config_entry(options: Any, key: str) -> str:
         return ""
 
 
+def test_a_model_runs_no_more_sessions_by_default_than_its_cpus_hold(tmp_path: Path) -> None:
+    """Two sessions of one thread, unless the process may use fewer CPUs (a worker pinned to one core; a
+    container's quota); a config's `instances` is taken as it is."""
+    from service.priority import default_instances
+
+    cores = len(usable_cores())
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert default_instances(1, tmp_path) == min(2, cores)
+    assert default_instances(2, tmp_path) == max(1, min(2, cores // 2))
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # one CPU's worth
+    assert default_instances(1, tmp_path) == 1
+
+
+SPREAD = """
+import os, sys
+from pathlib import Path
+from service.models.runtime import TensorRuntime
+from service.priority import spread_lone_runs, usable_cores
+from service.repository.layout import load_model_config
+
+machine = usable_cores()
+spread_lone_runs(machine)  # as a worker does, before it pins itself to its share
+os.sched_setaffinity(0, machine[:1])
+config = load_model_config(Path(sys.argv[1]))
+before = set(os.listdir("/proc/self/task"))
+runtime = TensorRuntime(config, ["CPUExecutionProvider"])
+made = set(os.listdir("/proc/self/task")) - before
+print(config.instances, runtime.lone is not None, max(len(os.sched_getaffinity(int(t))) for t in made),
+      len(os.sched_getaffinity(0)), len(machine))
+"""
+
+
+@pytest.mark.skipif(len(usable_cores()) < 2, reason="needs two cores: a worker pinned to one of them")
+def test_a_pinned_workers_lone_session_spreads_over_the_machines_cores(tmp_path: Path) -> None:
+    """A worker pinned to one core runs one session of its model there, and a request alone on the idle
+    machine still gets every core: the lone session's threads are made with the machine's cores."""
+    scale_model(tmp_path / "scale")
+    answer = subprocess.run(
+        [sys.executable, "-c", SPREAD, str(tmp_path / "scale")], capture_output=True, text=True, timeout=120
+    )
+    assert answer.returncode == 0, answer.stderr
+    instances, lone, widest_new_thread, own, machine = answer.stdout.split()
+    assert (instances, lone, own) == ("1", "True", "1")  # one session on its core, and a lone one
+    assert widest_new_thread == machine  # the lone session's pool: every core
+
+
 def test_the_worker_cpu_arena_choice_reaches_every_session_a_model_does_not_decide_for() -> None:
     import onnxruntime as ort
 
