@@ -9,10 +9,12 @@ into rates and percentiles.
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +23,10 @@ import numpy as np
 from service import protocol
 from service.tools.client import g2p_request
 
-__all__ = ["Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "open_loop", "own_cpu", "summarise"]
+__all__ = [
+    "Run", "Sample", "closed_loop", "encoder_request", "g2p_word_request", "machine_cpu", "open_loop", "own_cpu",
+    "summarise",
+]  # fmt: skip
 
 MakeRequest = Callable[[int], tuple[Any, int, str]]  # i -> (request, seq_len, tag)
 
@@ -39,6 +44,7 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     wall: float = 0.0
     client_cpu: float = 0.0  # CPU seconds the load generator itself used
+    machine_cpu: float = 0.0  # CPU seconds the whole machine was busy (every process), where measured
 
     def ok(self, tag: str | None = None) -> list[Sample]:
         return [s for s in self.samples if s.code == "OK" and (tag is None or s.tag == tag)]
@@ -48,6 +54,7 @@ class Run:
         self.samples += other.samples
         self.wall += other.wall
         self.client_cpu += other.client_cpu
+        self.machine_cpu += other.machine_cpu
 
 
 def encoder_request(length: int, vocab: int, rng: np.random.Generator, model: str = "g2p_encoder") -> Any:
@@ -62,6 +69,13 @@ def encoder_request(length: int, vocab: int, rng: np.random.Generator, model: st
 def g2p_word_request(word: str, model: str = "g2p") -> Any:
     """One word, decoded by the model (not answered by its lexicon): load on the decoder."""
     return g2p_request([word], model, lexicon=False)
+
+
+def machine_cpu() -> float:
+    """CPU seconds the machine has been busy so far, every core and process (Linux /proc/stat: all but idle
+    and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu() -> float:
@@ -157,4 +171,5 @@ def summarise(run: Run, tag: str | None = None) -> dict[str, Any]:
         "p99_ms": _pct(lat, 99) * 1e3,
         "wall_s": run.wall,
         "client_cpu_share": run.client_cpu / run.wall if run.wall else 0.0,
+        "machine_cpu_share": run.machine_cpu / run.wall if run.wall else 0.0,  # in cores
     }

@@ -61,12 +61,14 @@ async def _closed_loop(url: str, make: loadgen.MakeRequest, concurrency: int, se
             if time.perf_counter() >= stop:
                 return
 
+    client, machine = loadgen.own_cpu(), loadgen.machine_cpu()
     try:
         await asyncio.gather(*(caller(k) for k in range(concurrency)))
     finally:
         for channel in channels:
             await channel.close()
     run.wall = time.perf_counter() - t0
+    run.client_cpu, run.machine_cpu = loadgen.own_cpu() - client, loadgen.machine_cpu() - machine
     return run
 
 
@@ -134,6 +136,26 @@ def workers_table(results: dict[str, Any]) -> str:
         lines.append(
             f"| {cell['model']} | {cell['length'] or '-'} | {' / '.join(f'{r:.0f}' for r in rps)} "
             f"| {rps[1] / rps[0]:.2f}x | {rps[2] / rps[0]:.2f}x | {' / '.join(f'{p:.2f}' for p in p50)} |"
+        )
+    lines += [
+        "",
+        "At c32: the cores the machine was busy (every process, the load generator's included), the load"
+        " generator's share of them, and the machine's CPU a request (busy cores over requests/s).",
+        "",
+        "| model | length | busy cores 1 / 2 / auto | load generator cores 1 / 2 / auto "
+        "| CPU ms a request 1 / 2 / auto |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in results.values():
+        if not isinstance(cell, dict) or "model" not in cell:
+            continue
+        runs = [cell[f"{w} c32"] for w in WORKERS]
+        busy = [r.get("machine_cpu_share", 0.0) for r in runs]
+        client = [r.get("client_cpu_share", 0.0) for r in runs]
+        per_request = [b / r["rps"] * 1e3 if r["rps"] else 0.0 for b, r in zip(busy, runs, strict=True)]
+        lines.append(
+            f"| {cell['model']} | {cell['length'] or '-'} | {' / '.join(f'{b:.2f}' for b in busy)} "
+            f"| {' / '.join(f'{c:.2f}' for c in client)} | {' / '.join(f'{m:.2f}' for m in per_request)} |"
         )
     lines += ["", "| workers | process | RSS MiB | PSS MiB | USS MiB |", "|---|---|---|---|---|"]
     for w, processes in results.get("memory", {}).items():
