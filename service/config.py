@@ -77,7 +77,7 @@ class ServerSettings:
         'available); docs/operations.md, "Worker processes"',
     )
     worker_cpu_arena: str = _setting(
-        "shared",
+        "off",
         "with --workers N, onnxruntime's CPU memory arena in a worker: shared by its sessions, each session's own "
         '(session), or off; docs/operations.md, "Worker processes"',
         choices=("shared", "session", "off"),
