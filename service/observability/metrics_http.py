@@ -35,8 +35,10 @@ log = logging.getLogger("qkv.metrics")
 class MetricsServer:
     """/metrics of one registry: bind (a port in use stops the start), then serve on the running loop."""
 
-    def __init__(self, registry: CollectorRegistry, timeout: float) -> None:
-        self.registry, self.timeout = registry, timeout
+    def __init__(self, registry: CollectorRegistry, timeout: float, off_loop: bool = False) -> None:
+        """`off_loop`: collect the registry on a thread, not the event loop (a collector that waits, as the
+        workers' supervisor's waits on each worker's port, must not hold the loop meanwhile)."""
+        self.registry, self.timeout, self.off_loop = registry, timeout, off_loop
         self._socket: socket.socket | None = None
         self._server: asyncio.Server | None = None
 
@@ -70,7 +72,8 @@ class MetricsServer:
             except asyncio.LimitOverrunError:
                 status, body = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"request head too large\n"
             else:
-                status, headers, body = self._answer(head)
+                answer = asyncio.to_thread(self._answer, head) if self.off_loop else None
+                status, headers, body = await answer if answer is not None else self._answer(head)
             lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Content-Length: {len(body)}", "Connection: close"]
             lines += [f"{k}: {v}" for k, v in headers.items()]
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))

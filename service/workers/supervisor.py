@@ -280,7 +280,7 @@ class Supervisor:
         if s.metrics_port >= 0:
             registry = CollectorRegistry(auto_describe=False)  # the view is read at each scrape, never before
             registry.register(self._view)
-            metrics = MetricsServer(registry, s.http_timeout)
+            metrics = MetricsServer(registry, s.http_timeout, off_loop=True)  # a scrape waits on every worker's
             host = s.metrics_host or s.host
             try:
                 self.metrics_port = metrics.bind(host, s.metrics_port)

@@ -225,6 +225,32 @@ def test_a_worker_asking_a_stopped_one_for_statistics_goes_on_serving(served: Ru
         c.close()
 
 
+def test_a_scrape_waiting_on_a_stopped_worker_leaves_the_supervisors_port_answering(served: RunningServer) -> None:
+    """The supervisor collects the workers' metrics off its event loop: while a scrape waits for a stopped
+    worker (up to its timeout), the metrics port goes on answering."""
+    connections = _connections(served.url)
+    stopped = connections[1].worker[1]
+    os.kill(stopped, signal.SIGSTOP)
+    order: list[str] = []
+    try:
+        scrape = threading.Thread(target=lambda: order.append(_metric_text(served.metrics_url)[:0] + "scrape"))
+        scrape.start()
+        time.sleep(0.5)  # (the scrape reaches the supervisor and waits on worker 1)
+        options = urllib.request.Request(served.metrics_url, method="OPTIONS")
+        with urllib.request.urlopen(options, timeout=30) as answer:
+            order.append(f"options {answer.status}")
+        scrape.join(30)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert order == ["options 200", "scrape"]
+    for c in connections:
+        c.close()
+
+
+def _metric_text(metrics_url: str) -> str:
+    return str(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
+
+
 def _command(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
 
