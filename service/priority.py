@@ -128,10 +128,10 @@ def lone_cores() -> list[int]:
 def spread_threads() -> Iterator[None]:
     """The calling thread's affinity widened to `lone_cores()` while it starts threads that inherit it (a lone
     session's onnxruntime pool, made in the block), then narrowed back."""
-    own = usable_cores()
-    wider = set(lone_cores()) - set(own) and hasattr(os, "sched_setaffinity")
+    own, lone = usable_cores(), lone_cores()
+    wider = set(lone) - set(own) and hasattr(os, "sched_setaffinity")
     if wider:
-        os.sched_setaffinity(0, lone_cores())
+        os.sched_setaffinity(0, lone)
     try:
         yield
     finally:
@@ -151,8 +151,7 @@ def dedicated_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
     """The cores this process may use, if it may use them all: [] under a smaller CPU quota."""
     if not hasattr(os, "sched_getaffinity"):
         return []
-    cores = sorted(os.sched_getaffinity(0))
-    quota = cpu_quota(cgroup)
+    cores, quota = usable_cores(), cpu_quota(cgroup)
     return [] if quota is not None and quota < len(cores) else cores
 
 

@@ -72,8 +72,10 @@ class MetricsServer:
             except asyncio.LimitOverrunError:
                 status, body = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"request head too large\n"
             else:
-                answer = asyncio.to_thread(self._answer, head) if self.off_loop else None
-                status, headers, body = await answer if answer is not None else self._answer(head)
+                if self.off_loop:
+                    status, headers, body = await asyncio.to_thread(self._answer, head)
+                else:
+                    status, headers, body = self._answer(head)
             lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Content-Length: {len(body)}", "Connection: close"]
             lines += [f"{k}: {v}" for k, v in headers.items()]
             writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))

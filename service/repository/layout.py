@@ -404,7 +404,7 @@ def load_model_config(model_dir: Path, version: str | None = None, raw: dict[str
     }  # fmt: skip
     settings = _typed(ModelConfig, settings, at)
     if "instances" not in settings:
-        settings["instances"] = default_instances(settings.get("intra_op_threads", 1))
+        settings["instances"] = default_instances(settings.get("intra_op_threads", ModelConfig.intra_op_threads))
     if "limits" in settings:
         settings["limits"] = _limits(settings["limits"], at)
     card = raw.get("model_card", {})

@@ -122,20 +122,24 @@ def workers_benchmark(models: Path, out: Path, seconds: float = 4.0) -> dict[str
     return results
 
 
+def _each(values: list[float], spec: str) -> str:
+    """One figure for each worker count: "a / b / c"."""
+    return " / ".join(format(v, spec) for v in values)
+
+
 def workers_table(results: dict[str, Any]) -> str:
     """c32 requests/s and c1 p50 on each worker count, and the ratios to one process; then memory."""
+    cells = [c for c in results.values() if isinstance(c, dict) and "model" in c]
     lines = [
         "| model | length | c32 req/s 1 / 2 / auto | c32 2 vs 1 | c32 auto vs 1 | c1 p50 ms 1 / 2 / auto |",
         "|---|---|---|---|---|---|",
     ]
-    for cell in results.values():
-        if not isinstance(cell, dict) or "model" not in cell:
-            continue
+    for cell in cells:
         rps = [cell[f"{w} c32"]["rps"] for w in WORKERS]
         p50 = [cell[f"{w} c1"]["p50_ms"] for w in WORKERS]
         lines.append(
-            f"| {cell['model']} | {cell['length'] or '-'} | {' / '.join(f'{r:.0f}' for r in rps)} "
-            f"| {rps[1] / rps[0]:.2f}x | {rps[2] / rps[0]:.2f}x | {' / '.join(f'{p:.2f}' for p in p50)} |"
+            f"| {cell['model']} | {cell['length'] or '-'} | {_each(rps, '.0f')} "
+            f"| {rps[1] / rps[0]:.2f}x | {rps[2] / rps[0]:.2f}x | {_each(p50, '.2f')} |"
         )
     lines += [
         "",
@@ -146,16 +150,14 @@ def workers_table(results: dict[str, Any]) -> str:
         "| CPU ms a request 1 / 2 / auto |",
         "|---|---|---|---|---|",
     ]
-    for cell in results.values():
-        if not isinstance(cell, dict) or "model" not in cell:
-            continue
+    for cell in cells:
         runs = [cell[f"{w} c32"] for w in WORKERS]
         busy = [r.get("machine_cpu_share", 0.0) for r in runs]
         client = [r.get("client_cpu_share", 0.0) for r in runs]
         per_request = [b / r["rps"] * 1e3 if r["rps"] else 0.0 for b, r in zip(busy, runs, strict=True)]
         lines.append(
-            f"| {cell['model']} | {cell['length'] or '-'} | {' / '.join(f'{b:.2f}' for b in busy)} "
-            f"| {' / '.join(f'{c:.2f}' for c in client)} | {' / '.join(f'{m:.2f}' for m in per_request)} |"
+            f"| {cell['model']} | {cell['length'] or '-'} | {_each(busy, '.2f')} | {_each(client, '.2f')} "
+            f"| {_each(per_request, '.2f')} |"
         )
     lines += ["", "| workers | process | RSS MiB | PSS MiB | USS MiB |", "|---|---|---|---|---|"]
     for w, processes in results.get("memory", {}).items():
