@@ -62,8 +62,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                 terminalreporter.write_line(f"{name}: {value}")
 
 
-def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 60) -> ServerProcess:
-    """`qkv serve` on the shipped models unless `args` names another repository."""
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 180) -> ServerProcess:
+    """`qkv serve` on the shipped models unless `args` names another repository. The wait for readiness is
+    generous, a bound and not a speed: a start times its models' runs, which take several times as long with
+    every core busy (`make test-loaded`); a server that exits fails at once."""
     if "--model-repository" not in args:
         args = ["--model-repository", str(MODELS), *args]
     return _start(args, log, env, timeout, cwd=ROOT)
