@@ -17,6 +17,13 @@ def test_the_texts_are_mixed_lengths_of_real_prose() -> None:
     assert sum(1 for n in words if n <= 20) >= 30
 
 
+def test_short_texts_are_the_same_texts_cut_to_their_first_words() -> None:
+    texts, short = mixed_texts(60), mixed_texts(60, most_words=20)
+    assert len(short) == 60 and max(len(t.split()) for t in short) == 20
+    for text, cut in zip(texts, short, strict=True):
+        assert text.split()[:20] == cut.split()
+
+
 def test_texts_are_cut_at_a_token_end_so_every_system_runs_the_same_tokens(request: pytest.FixtureRequest) -> None:
     from tokenizers import Tokenizer
 
@@ -37,7 +44,9 @@ def test_the_table_gives_each_ratio_against_the_runs_beside_it() -> None:
     runs = [{"rps": r, "p50_ms": p, "p99_ms": 2 * p} for r, p in ((45.0, 20.0), (40.0, 22.0), (50.0, 18.0))]
     slow = [{"rps": r, "p50_ms": p, "p99_ms": 2 * p} for r, p in ((15.0, 200.0), (10.0, 220.0), (20.0, 180.0))]
     result = {
+        "texts": 256,
         "mean_tokens": 100.0,
+        "most_words": 20,
         "single_tokens": 30,
         "ceiling": {"best": "2x1 b4"},
         "c1": [{**x, "in_process_ms": 16.0} for x in runs],
@@ -55,6 +64,7 @@ def test_the_table_gives_each_ratio_against_the_runs_beside_it() -> None:
     assert "| infinity-emb (optimum), OpenAI HTTP /embeddings, c32 | 15.0 | 1500 | 200.00 | 400.00 |" in table
     assert "c32 / ceiling: 0.90; c1 p50 / in-process single call: 1.25; mean rows per run at c32: 5.0" in table
     assert "qkv HTTP c32 / infinity-emb c32: 3.00" in table
+    assert "texts: 256, 100.0 tokens on average, each at most 20 words" in table
     skipped = {**result, "infinity": {"skipped": "its engine failed"}}
     del skipped["http_c32_over_infinity"]
     assert "infinity-emb not measured: its engine failed" in text_model_table(skipped)

@@ -92,6 +92,9 @@ def main(argv: list[str]) -> int:
         "--text-c1", action="store_true", help="--text-model: concurrency 1 alone, with the server's stages"
     )
     parser.add_argument(
+        "--text-words", type=int, metavar="N", help="--text-model: each text cut to its first N words (short texts)"
+    )
+    parser.add_argument(
         "--generation-model", type=Path, metavar="DIR", help="an exported generation folder: engine vs optimum"
     )
     parser.add_argument("--model-repository", type=Path, help="default: models (a --url run needs none)")
@@ -165,7 +168,8 @@ def main(argv: list[str]) -> int:
     if args.text_model:
         from service.tools.bench.text_models import text_model_bench, text_model_table
 
-        print(text_model_table(text_model_bench(args.text_model, args.out, args.seconds, args.text_source)))
+        results = text_model_bench(args.text_model, args.out, args.seconds, args.text_source, args.text_words)
+        print(text_model_table(results))
         print(f"wrote {args.out / 'text_model.json'}")
         return 0
     if args.generation_model:

@@ -55,9 +55,11 @@ MAX_TOKENS = 256  # every text is cut at this many tokens beforehand
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def mixed_texts(count: int = 256, long_every: int = 10, joined: int = 3, short_words: int = 20) -> list[str]:
+def mixed_texts(count: int = 256, long_every: int = 10, joined: int = 3, short_words: int = 20,
+                most_words: int | None = None) -> list[str]:  # fmt: skip
     """Mixed-length English: the repository's own documents, as sentences (every third text, its first
-    `short_words` words), paragraphs, and every `long_every`-th text `joined` paragraphs run together."""
+    `short_words` words), paragraphs, and every `long_every`-th text `joined` paragraphs run together; with
+    `most_words`, each text at most its first that many words (the same texts, short)."""
     paragraphs = []
     for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
         for block in doc.read_text(encoding="utf-8").split("\n\n"):
@@ -73,7 +75,7 @@ def mixed_texts(count: int = 256, long_every: int = 10, joined: int = 3, short_w
             texts.append(" ".join(p.split()[:short_words]))
         else:
             texts.append(p)
-    return texts
+    return texts if most_words is None else [" ".join(t.split()[:most_words]) for t in texts]
 
 
 def _tokenizer(folder: Path, max_length: int | None) -> Any:
@@ -278,11 +280,13 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(axis=1).min())
 
 
-def text_model_bench(folder: Path, out: Path, seconds: float = 8.0, source: Path | None = None) -> dict[str, Any]:
-    """The table's figures, in one run."""
-    texts = cut_texts(mixed_texts(), _tokenizer(folder, None), MAX_TOKENS)
+def text_model_bench(folder: Path, out: Path, seconds: float = 8.0, source: Path | None = None,
+                     words: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The table's figures, in one run; with `words`, on the same texts cut to their first `words` words."""
+    texts = cut_texts(mixed_texts(most_words=words), _tokenizer(folder, None), MAX_TOKENS)
     tokens = [len(e.ids) for e in _tokenizer(folder, MAX_TOKENS).encode_batch(texts)]
-    results: dict[str, Any] = {"texts": len(texts), "seconds_per_run": seconds, "mean_tokens": float(np.mean(tokens))}
+    results: dict[str, Any] = {"texts": len(texts), "seconds_per_run": seconds, "mean_tokens": float(np.mean(tokens)),
+                               "most_words": words}  # fmt: skip
     ceiling = Ceiling(folder, MAX_TOKENS)
     best, rates = ceiling.best(texts[::2])  # the search on half the texts, its best timed on all beside each run
     single = " ".join(texts[0].split()[:20])
@@ -398,6 +402,10 @@ def text_model_table(r: dict[str, Any]) -> str:
         f"\nc32 / ceiling: {r['c32_over_ceiling']:.2f}; c1 p50 / in-process single call: "
         f"{r['c1_p50_over_single']:.2f}; mean rows per run at c32: {median(x['rows_per_run'] for x in r['c32']):.1f}"
     ]
+    said.append(
+        f"texts: {r['texts']}, {mean_tokens:.1f} tokens on average"
+        + (f", each at most {r['most_words']} words" if r.get("most_words") else "")
+    )
     if "http_c32_over_infinity" in r:
         said.append(f"qkv HTTP c32 / infinity-emb c32: {r['http_c32_over_infinity']:.2f}")
     elif "skipped" in infinity:
