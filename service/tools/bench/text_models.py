@@ -322,6 +322,8 @@ def text_model_bench(folder: Path, out: Path, seconds: float = 8.0, source: Path
             _rounds(results, server, peer, ceiling, texts, single, best, seconds)
         finally:
             stop_server(server)
+            # what the start chose and timed (the batching, the longest text computed on the event loop)
+            results["log"] = [line for line in server.log.read_text().splitlines() if "model 'text'" in line]
     finally:
         if peer is not None:
             _pause(peer, False)
