@@ -50,8 +50,9 @@ __all__ = ["TextModel", "build_text_model"]
 
 log = logging.getLogger("qkv.models")
 
-# A request with more text than this is tokenized on a worker thread; a smaller one costs less than the hop
-# (the tokenizer reads a 20-word text in some 20 us) and is tokenized on the event loop: several texts in one
+# A request with more text than this is tokenized on a worker thread; a smaller one costs no more than the
+# hop (the tokenizer reads a 20-word text in some 40 us, 150 us just after a run of the graph has taken the
+# caches, which a worker thread's would be too) and is tokenized on the event loop: several texts in one
 # batch call over the tokenizer's threads, a single one by itself (as a batch call, which hands it to those
 # threads and waits for them, one 20-word text took some 15 % longer and more CPU, on a loaded machine).
 THREAD_TEXT_BYTES = 1 << 12
