@@ -15,7 +15,7 @@ from pathlib import Path
 from service.errors import ConfigError
 from service.priority import cpu_budget, usable_cores
 
-__all__ = ["WORKER_BYTES", "available_memory", "cores_of", "cpu_budget", "pinned", "usable_cores", "worker_count"]
+__all__ = ["WORKER_BYTES", "available_memory", "cores_of", "pinned", "worker_count"]
 
 CGROUP = Path("/sys/fs/cgroup")
 WORKER_BYTES = 512 << 20  # a worker's own memory besides its models' weights: interpreter, gRPC, aiohttp, arenas

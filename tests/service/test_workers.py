@@ -30,10 +30,11 @@ from tritonclient.utils import InferenceServerException
 
 from service import protocol
 from service.errors import ConfigError
+from service.priority import cpu_budget, default_instances, usable_cores
 from service.workers.fork import single_threaded
 from service.workers.identity import HEADER
 from service.workers.metrics_view import combine
-from service.workers.plan import WORKER_BYTES, cores_of, cpu_budget, pinned, usable_cores, worker_count
+from service.workers.plan import WORKER_BYTES, cores_of, pinned, worker_count
 from service.workers.supervisor import MAX_UNIX_PATH, control_directory
 from tests.conftest import RunningServer, scale_model, start_server, stop_server
 from tests.service.test_sequence_server import _inputs, sequence_models
@@ -233,7 +234,12 @@ def test_a_scrape_waiting_on_a_stopped_worker_leaves_the_supervisors_port_answer
     os.kill(stopped, signal.SIGSTOP)
     order: list[str] = []
     try:
-        scrape = threading.Thread(target=lambda: order.append(_metric_text(served.metrics_url)[:0] + "scrape"))
+
+        def scrape_all() -> None:
+            urllib.request.urlopen(served.metrics_url, timeout=30).read()
+            order.append("scrape")
+
+        scrape = threading.Thread(target=scrape_all)
         scrape.start()
         time.sleep(0.5)  # (the scrape reaches the supervisor and waits on worker 1)
         options = urllib.request.Request(served.metrics_url, method="OPTIONS")
@@ -245,10 +251,6 @@ def test_a_scrape_waiting_on_a_stopped_worker_leaves_the_supervisors_port_answer
     assert order == ["options 200", "scrape"]
     for c in connections:
         c.close()
-
-
-def _metric_text(metrics_url: str) -> str:
-    return str(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
 
 
 def _command(pid: int) -> list[str]:
@@ -462,8 +464,6 @@ def _config_entry(options: Any, key: str) -> str:
 def test_a_model_runs_no_more_sessions_by_default_than_its_cpus_hold(tmp_path: Path) -> None:
     """Two sessions of one thread, unless the process may use fewer CPUs (a worker pinned to one core; a
     container's quota); a config's `instances` is taken as it is."""
-    from service.priority import default_instances
-
     cores = len(usable_cores())
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert default_instances(1, tmp_path) == min(2, cores)
